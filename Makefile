@@ -1,0 +1,30 @@
+# One command to set up, one to test, one to run the main job. See README.md.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# torch 2.13.0 is the CPU wheel this project's machines hold locally; any other torch pulls GBs of
+# CUDA packages. On a GPU machine set TORCH_SPEC to the torch you have (or "" to keep it).
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup test test-gpu bench clean
+
+setup:
+	@$(PYTHON) -c 'import sys; v = sys.version_info[:2]; assert (3, 11) <= v <= (3, 12), f"Python 3.11 or 3.12 needed, found {v}"'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(if $(TORCH_SPEC),$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)")
+	$(BIN)/python -m pip install --quiet -e .
+	$(BIN)/python -c 'import harness.fixtures.plugin, megatron.core, mbridge; print("setup ok:", megatron.core.__version__)'
+
+test:
+	$(BIN)/python -m pytest suites $(PYTEST_ARGS)
+
+test-gpu:
+	$(BIN)/python -m pytest suites -m gpu $(PYTEST_ARGS)
+
+bench:
+	$(BIN)/mrh bench world --ranks 2 --device cpu
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

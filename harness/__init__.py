@@ -1,0 +1,1 @@
+"""megatron-rl-harness: proves Megatron-Core is a correct training backend for RL post-training."""

@@ -1,0 +1,1 @@
+"""Device backends: what a rank process needs to run Megatron-Core on its device."""

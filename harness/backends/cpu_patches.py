@@ -1,0 +1,137 @@
+"""Make Megatron-Core run on CPU (gloo) inside a rank process.
+
+Megatron-Core assumes CUDA in a handful of places; each patch below answers one of them
+(measured facts: shared notes "megatron-on-cpu.md"). The patches are process-global, so they are
+installed only inside rank processes that run on CPU - never in the pytest parent or a CUDA rank.
+`uninstall()` restores every original (used by the tests of this module).
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_CPU = torch.device("cpu")
+_originals: list[tuple[Any, str, Any]] = []
+_mode: "_CudaToCpuMode | None" = None
+
+
+def _is_cuda_device(value: Any) -> bool:
+    if isinstance(value, torch.device):
+        return value.type == "cuda"
+    if isinstance(value, str):
+        return value.startswith("cuda")
+    # A bare int is a CUDA ordinal in torch's device arguments (`device=0`).
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _map_device(value: Any) -> Any:
+    return _CPU if _is_cuda_device(value) else value
+
+
+# Tensor methods whose first positional argument may be a device.
+_DEVICE_FIRST_ARG = {torch.Tensor.to, torch.Tensor.new_empty, torch.Tensor.new_zeros}
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Maps `device="cuda"` (and friends) to CPU in every torch call; `Tensor.cuda()` is identity.
+
+    Also reports CUDA type strings from `Tensor.type()` for CPU tensors, because Megatron's
+    DistributedOptimizer and clip_grads compare against 'torch.cuda.FloatTensor' etc.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+        if "device" in kwargs:
+            kwargs["device"] = _map_device(kwargs["device"])
+        if func in _DEVICE_FIRST_ARG and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+class _DropRngWarning(logging.Filter):
+    """The RNG tracker shares the CPU generator here, so its 'CPU RNG state changed' warning is
+    always true and always noise (~70 lines a run)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+_rng_filter = _DropRngWarning()
+
+
+def _patch(obj: Any, attr: str, new: Any) -> None:
+    _originals.append((obj, attr, getattr(obj, attr)))
+    setattr(obj, attr, new)
+
+
+def _set_cpu_rng_state(new_state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _seed(seed: int) -> None:
+    # Not torch.manual_seed: that calls torch.cuda.manual_seed_all, i.e. this function.
+    torch.default_generator.manual_seed(int(seed))
+
+
+def is_installed() -> bool:
+    return _mode is not None
+
+
+def install() -> None:
+    """Install every patch (idempotent)."""
+    global _mode
+    if _mode is not None:
+        return
+    cuda_rng: dict[str, Callable[..., Any]] = {
+        "get_rng_state": lambda *a, **k: torch.get_rng_state(),
+        "set_rng_state": _set_cpu_rng_state,
+        "manual_seed": _seed,
+        "manual_seed_all": _seed,
+    }
+    for name, fn in cuda_rng.items():
+        _patch(torch.cuda, name, fn)
+        _patch(torch.cuda.random, name, fn)
+    _patch(torch.cuda, "current_device", lambda: 0)  # an ordinal; the mode maps it to CPU
+    _patch(torch.cuda, "synchronize", _ignore)  # pipeline p2p calls it unconditionally
+    try:
+        from megatron.core.tensor_parallel import random as mcore_random
+    except ImportError:  # the world itself works without megatron-core
+        mcore_random = None
+    if mcore_random is not None:
+        _patch(mcore_random, "_set_cuda_rng_state", _set_cpu_rng_state)
+        _patch(mcore_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
+        logging.getLogger(mcore_random.__name__).addFilter(_rng_filter)
+    warnings.filterwarnings("ignore", message=".*CPU RNG state changed.*")
+    _mode = _CudaToCpuMode()
+    _mode.__enter__()
+
+
+def uninstall() -> None:
+    """Undo `install()`: restore every original attribute and leave the function mode."""
+    global _mode
+    if _mode is None:
+        return
+    _mode.__exit__(None, None, None)
+    _mode = None
+    while _originals:
+        obj, attr, original = _originals.pop()
+        setattr(obj, attr, original)
+    try:
+        from megatron.core.tensor_parallel import random as mcore_random
+
+        logging.getLogger(mcore_random.__name__).removeFilter(_rng_filter)
+    except ImportError:
+        pass

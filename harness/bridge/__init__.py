@@ -1,0 +1,33 @@
+"""HF <-> Megatron-Core weights via mbridge 0.15.1, with or without Transformer Engine.
+
+Rank-side: everything here runs inside a rank process whose Megatron parallel state is
+initialized (and, on CPU, after harness.backends.cpu_patches.install()).
+
+    models = load_megatron_model("tiny-qwen3", dtype=torch.float32, cache_dir=...)
+    info = bridge_info(models)              # info.vocab_size: slice logits to it
+    state = export_hf_state_dict(models)    # HF names -> full tensors, on every rank
+
+The mbridge fixes and why each is needed: harness.bridge.mbridge_compat.
+"""
+from harness.bridge.export import export_hf_state_dict
+from harness.bridge.load import BridgeInfo, bridge_info, hf_bridge, load_megatron_model
+from harness.bridge.mbridge_compat import (
+    SUPPORTED_MODEL_TYPES,
+    HarnessBridgeMixin,
+    UnsupportedModelError,
+    check_hf_config,
+    make_bridge,
+    resolve_spec,
+)
+from harness.bridge.versions import (
+    UnsupportedVersionError,
+    check_supported_versions,
+    te_available,
+)
+
+__all__ = [
+    "BridgeInfo", "HarnessBridgeMixin", "SUPPORTED_MODEL_TYPES", "UnsupportedModelError",
+    "UnsupportedVersionError", "bridge_info", "check_hf_config", "check_supported_versions",
+    "export_hf_state_dict", "hf_bridge", "load_megatron_model", "make_bridge", "resolve_spec",
+    "te_available",
+]

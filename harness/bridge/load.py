@@ -1,0 +1,118 @@
+"""Build a Megatron GPTModel from an HF checkpoint on this rank (rank-side; parallel state set up)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from harness.bridge.mbridge_compat import SpecChoice, make_bridge
+from harness.models.checkpoints import resolve_model
+
+# HF checkpoints sometimes carry tensors that are not model weights.
+_NOT_WEIGHTS = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class BridgeInfo:
+    """What a caller needs to know about a bridged model beyond the modules themselves."""
+
+    hf_path: Path
+    model_type: str
+    spec: str  # "te" or "local"
+    dtype: torch.dtype
+    vocab_size: int  # the HF (true) vocab: slice logits to [..., :vocab_size]
+    padded_vocab_size: int  # Megatron's embedding/output rows, summed over TP ranks
+    tied: bool
+
+
+def load_megatron_model(
+    name_or_path: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.float32,
+    cache_dir: str | os.PathLike | None = None,
+    seed: int = 0,
+    make_vocab_size_divisible_by: int = 128,
+    spec: SpecChoice = "auto",
+    sequence_parallel: bool = False,
+    wrap_with_ddp: bool = False,
+    ddp_config: Mapping[str, Any] | None = None,
+    config_overrides: Mapping[str, Any] | None = None,
+) -> list[torch.nn.Module]:
+    """This rank's model chunks (one per virtual pipeline stage) with the HF weights loaded.
+
+    Call on every rank of the model-parallel group at once (loading scatters over TP, and checks
+    over PP). TP/PP/VPP come from megatron.core.parallel_state. `name_or_path` is a zoo name
+    (materialized under `cache_dir` with `seed`; better done once in the parent first) or a local
+    HF checkpoint dir. bf16/fp16 chunks are wrapped in Float16Module as in Megatron training;
+    `wrap_with_ddp` also wraps them in Megatron DDP (mbridge's `ddp_config` defaults apply).
+
+    Logits have `padded_vocab_size / TP` columns per TP rank; see `bridge_info(models)`.
+    Raises if any tensor of the checkpoint is left unused by the Megatron model.
+    """
+    from mbridge.core.util import unwrap_model
+
+    path = resolve_model(name_or_path, cache_dir, seed)
+    bridge = make_bridge(path, dtype=dtype, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                         spec=spec, sequence_parallel=sequence_parallel,
+                         config_overrides=config_overrides)
+    models = bridge.get_model(
+        weight_path=None, fp16=dtype is torch.float16, bf16=dtype is torch.bfloat16,
+        wrap_with_ddp=wrap_with_ddp, ddp_config=dict(ddp_config) if ddp_config else None)
+    chunks = unwrap_model(models)
+    _check_every_hf_tensor_is_used(bridge, chunks, path)
+    bridge.load_weights(chunks, str(path))
+    info = BridgeInfo(
+        hf_path=path, model_type=bridge.hf_config.model_type, spec=bridge.harness_spec,
+        dtype=dtype, vocab_size=bridge.vocab_size, padded_vocab_size=bridge.padded_vocab_size,
+        tied=bridge.harness_tied)
+    for chunk in chunks:
+        # Plain attributes on the innermost GPTModel: they survive any later DDP/Float16 wrapping.
+        chunk.harness_bridge = bridge
+        chunk.harness_info = info
+    return models
+
+
+def _innermost(models: list[torch.nn.Module]) -> torch.nn.Module:
+    from mbridge.core.util import unwrap_model
+
+    chunk = unwrap_model(list(models))[0]
+    if not hasattr(chunk, "harness_bridge"):
+        raise ValueError("these modules were not built by harness.bridge.load_megatron_model")
+    return chunk
+
+
+def bridge_info(models: list[torch.nn.Module]) -> BridgeInfo:
+    """Vocab sizes, dtype, spec and source path of chunks from `load_megatron_model`."""
+    return _innermost(models).harness_info
+
+
+def hf_bridge(models: list[torch.nn.Module]):
+    """The mbridge bridge instance that built `models` (for name mappings and export)."""
+    return _innermost(models).harness_bridge
+
+
+def _check_every_hf_tensor_is_used(bridge, chunks: list[torch.nn.Module], path: Path) -> None:
+    """mbridge walks Megatron's parameters, so an HF tensor without a Megatron counterpart (e.g. an
+    o_proj bias) would be skipped without a word; refuse such a checkpoint instead."""
+    import torch.distributed as dist
+    from mbridge.core.safetensor_io import SafeTensorIO
+    from megatron.core import parallel_state
+
+    used: set[str] = set()
+    for chunk in chunks:
+        for local, name in bridge._weight_name_mapping_mcore_local_to_global(chunk).items():
+            if "_extra_state" not in local:
+                used.update(bridge._weight_name_mapping_mcore_to_hf(name))
+    per_stage: list[Any] = [None] * parallel_state.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(per_stage, sorted(used), group=parallel_state.get_pipeline_model_parallel_group())
+    used = set().union(*per_stage)
+    on_disk = set(SafeTensorIO(str(path)).load_hf_weight_names())
+    if bridge.harness_tied:
+        used.add("lm_head.weight")  # some tied checkpoints store the duplicate anyway
+    unused = sorted(n for n in on_disk - used if not n.endswith(_NOT_WEIGHTS))
+    if unused:
+        raise ValueError(f"{path}: checkpoint tensors with no Megatron counterpart (they would be "
+                         f"dropped silently): {unused}")

@@ -1,0 +1,190 @@
+"""mbridge 0.15.1 bridges, fixed for this stack by a mixin subclass (stock mbridge is not modified).
+
+`make_bridge` picks mbridge's registered bridge for the checkpoint's model_type and returns an
+instance of `Harness<Bridge>(HarnessBridgeMixin, <Bridge>)`. Each override says which stock
+behaviour it replaces and why:
+
+1. Layer spec: stock `_get_transformer_layer_spec` hard-codes `use_transformer_engine=True`
+   (NameError: TENorm without TE). Without TE we build Megatron's local spec instead.
+2. Local-spec weight names: the local spec has `input_layernorm.weight` / `pre_mlp_layernorm.weight`
+   where TE fuses them into `linear_qkv.layer_norm_weight` / `linear_fc1.layer_norm_weight`. Stock
+   mbridge has no mapping for them (and routes any name containing "mlp", such as
+   pre_mlp_layernorm, to its MLP table): we map them to HF's input_layernorm /
+   post_attention_layernorm.
+3. Tied embeddings: Qwen2Bridge ties by writing `output_layer.weight -> model.embed_tokens.weight`
+   into its *class-level* `_DIRECT_MAPPING`, so once a tied model is built in a process every later
+   untied Qwen2/Qwen3 model silently loads its lm_head from embed_tokens; LLaMABridge does not tie at
+   all (the last PP stage then asks for a missing `lm_head.weight`, cf. mbridge PR 14). We map
+   output_layer per instance from `tie_word_embeddings` and never touch the class tables.
+4. RoPE: transformers 5 keeps rope_theta only in `config.rope_parameters`; stock mbridge reads
+   `config.rope_theta` (AttributeError), and LLaMABridge tests `"rope_scaling" in config`
+   (TypeError in transformers 5). Non-default rope types are rejected rather than silently run as
+   plain RoPE.
+5. Config: sequence parallelism is off unless asked for (the local spec's torch RMSNorm asserts it
+   is off; mbridge turns it on whenever TP > 1); masked_softmax_fusion is on only when Megatron's
+   fused-softmax CUDA extensions exist (mbridge turns it on unconditionally, and a bf16 forward then
+   fails importing them); fp16 sets `fp16=True` (mbridge only sets bf16, and Float16Module refuses
+   fp16 without it).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+from pathlib import Path
+from typing import Any, Literal, Mapping, Optional
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from harness.bridge.versions import (
+    check_supported_versions,
+    fused_softmax_kernels_available,
+    te_available,
+)
+
+SpecChoice = Literal["auto", "te", "local"]
+# Model types whose mapping has been checked against HF logits (see harness.bridge docs).
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Local-spec layer norms -> HF names (the TE spec fuses these into the following linear layer).
+_LOCAL_NORM = re.compile(r"decoder\.layers\.(\d+)\.(input_layernorm|pre_mlp_layernorm)\.weight")
+_LOCAL_NORM_TO_HF = {"input_layernorm": "input_layernorm",
+                     "pre_mlp_layernorm": "post_attention_layernorm"}
+
+
+class UnsupportedModelError(ValueError):
+    """The HF config describes something this bridge would not convert faithfully."""
+
+
+def rope_theta(hf_config: PretrainedConfig) -> float:
+    """The RoPE base; raises for rope scaling types Megatron's GPTModel would not reproduce."""
+    # transformers 5: rope_parameters (rope_scaling is an alias of it); 4: rope_scaling or None.
+    params = dict(getattr(hf_config, "rope_parameters", None)
+                  or getattr(hf_config, "rope_scaling", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise UnsupportedModelError(
+            f"rope type {rope_type!r} ({params}) is not supported: the bridge builds plain RoPE "
+            "and would silently differ from HF")
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    if theta is None:
+        raise UnsupportedModelError("the HF config has no rope_theta (in rope_parameters or top level)")
+    return float(theta)
+
+
+def check_hf_config(hf_config: PretrainedConfig) -> None:
+    """Reject configs whose features the Megatron side would drop without an error."""
+    model_type = hf_config.model_type
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported by the harness bridge "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"hidden_act {hf_config.hidden_act!r}: mbridge builds SwiGLU (silu)")
+    layer_types = set(getattr(hf_config, "layer_types", None) or ["full_attention"])
+    if getattr(hf_config, "use_sliding_window", False) or layer_types != {"full_attention"}:
+        raise UnsupportedModelError("sliding-window attention layers are not supported")
+    rope_theta(hf_config)
+
+
+def resolve_spec(spec: SpecChoice) -> Literal["te", "local"]:
+    if spec == "auto":
+        return "te" if te_available() else "local"
+    if spec == "te" and not te_available():
+        raise RuntimeError("spec='te' requested but `import transformer_engine` fails")
+    if spec not in ("te", "local"):
+        raise ValueError(f"spec must be 'auto', 'te' or 'local', got {spec!r}")
+    return spec
+
+
+class HarnessBridgeMixin:
+    """Overrides for an mbridge LLM bridge; see the module docstring for why each exists."""
+
+    def __init__(self, hf_config: PretrainedConfig, *, spec: Literal["te", "local"],
+                 sequence_parallel: bool, **kwargs: Any) -> None:
+        self.harness_spec = spec
+        self.harness_tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        dtype = kwargs.get("dtype", torch.bfloat16)
+        # Read by _build_base_config, which mbridge's __init__ calls.
+        self._harness_config_args = {
+            "sequence_parallel": sequence_parallel,
+            "fp16": dtype is torch.float16,
+            "masked_softmax_fusion": spec == "te" or fused_softmax_kernels_available(),
+        }
+        super().__init__(hf_config, **kwargs)
+
+    def _build_base_config(self, text_config_key: Optional[str] = None, **kwargs: Any):
+        # Ours go in as keyword overrides, so mbridge's set_extra_args (applied last) still wins.
+        return super()._build_base_config(text_config_key, **{**kwargs, **self._harness_config_args})
+
+    def _adjust_mapping_for_shared_weights(self) -> None:
+        # Tying is handled per instance in _weight_name_mapping_mcore_to_hf (override 3).
+        return None
+
+    def _weight_name_mapping_mcore_to_hf(self, mcore_weights_name: str) -> list[str]:
+        if mcore_weights_name == "output_layer.weight":
+            return ["model.embed_tokens.weight" if self.harness_tied else "lm_head.weight"]
+        match = _LOCAL_NORM.fullmatch(mcore_weights_name)
+        if match:
+            layer, norm = match.groups()
+            return [f"model.layers.{layer}.{_LOCAL_NORM_TO_HF[norm]}.weight"]
+        return super()._weight_name_mapping_mcore_to_hf(mcore_weights_name)
+
+    def _get_gptmodel_args(self) -> dict:
+        return dict(
+            vocab_size=self.hf_config.vocab_size,
+            max_sequence_length=self.hf_config.max_position_embeddings,
+            position_embedding_type="rope",
+            rotary_base=rope_theta(self.hf_config),
+        )
+
+    def _get_transformer_layer_spec(self, vp_stage: Optional[int] = None):
+        if self.harness_spec == "te":
+            return super()._get_transformer_layer_spec(vp_stage)
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        # mbridge's model provider reads has_vp_stage after calling this method.
+        self.has_vp_stage = "vp_stage" in inspect.signature(get_gpt_decoder_block_spec).parameters
+        extra = {"vp_stage": vp_stage} if self.has_vp_stage else {}
+        return get_gpt_decoder_block_spec(
+            self.config, use_transformer_engine=False,
+            normalization=self.config.normalization, **extra)
+
+
+@functools.cache
+def _harness_class(base: type) -> type:
+    return type(f"Harness{base.__name__}", (HarnessBridgeMixin, base), {})
+
+
+def make_bridge(path: str | Path, *, dtype: torch.dtype = torch.float32,
+                make_vocab_size_divisible_by: int = 128, spec: SpecChoice = "auto",
+                sequence_parallel: bool = False,
+                config_overrides: Mapping[str, Any] | None = None):
+    """An mbridge bridge (with the harness fixes) for the HF checkpoint dir `path`.
+
+    Rank-side: Megatron's parallel state must be initialized (the bridge reads TP/PP/VPP from it).
+    The vocab is padded to a multiple of `make_vocab_size_divisible_by * TP`, as Megatron-LM does.
+    `config_overrides` are TransformerConfig fields applied last (e.g. recompute settings).
+    """
+    check_supported_versions()
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
+    resolved = resolve_spec(spec)
+    if sequence_parallel and resolved == "local":
+        raise ValueError("sequence_parallel needs the Transformer Engine spec: the local spec's "
+                         "torch RMSNorm asserts sequence parallelism is off")
+    import mbridge  # noqa: F401  (importing registers the model bridges)
+    from mbridge.core.bridge import _MODEL_REGISTRY
+    from megatron.core import parallel_state
+
+    hf_config = AutoConfig.from_pretrained(path)
+    check_hf_config(hf_config)
+    cls = _harness_class(_MODEL_REGISTRY[hf_config.model_type])
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    bridge = cls(hf_config, spec=resolved, sequence_parallel=sequence_parallel, dtype=dtype,
+                 make_vocab_size_divisible_by=make_vocab_size_divisible_by * tp)
+    if config_overrides:
+        bridge.set_extra_args(**config_overrides)
+    return bridge

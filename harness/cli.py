@@ -1,0 +1,30 @@
+"""`mrh`: the harness's command line."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mrh", description="megatron-rl-harness command line")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    bench = commands.add_parser("bench", help="benchmarks that print figures")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    world = benches.add_parser("world", help="persistent world vs fresh torchrun launch")
+    world.add_argument("--ranks", type=int, default=2, help="world size (default 2)")
+    world.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    world.add_argument("--repeats", type=int, default=3, help="fresh launches to time (default 3)")
+    world.set_defaults(handler="harness.bench.world:main")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    module_name, func_name = args.handler.split(":")
+    module = __import__(module_name, fromlist=[func_name])  # import only what the command needs
+    return getattr(module, func_name)(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

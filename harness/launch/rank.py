@@ -1,0 +1,215 @@
+"""The rank side of the persistent world: one process per rank, serving calls until told to stop.
+
+A rank process starts once per world (per world size and device), joins the default process group
+through the parent's TCPStore, then loops: receive a pickled call on its pipe, run it, send back the
+result or the exception with its formatted traceback, plus whatever the call printed.
+"""
+from __future__ import annotations
+
+import faulthandler
+import io
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+STACK_SIGNAL = signal.SIGUSR1
+# Variables every CUDA rank must see: NVLink multicast can take a shared host's GPUs out of service.
+CUDA_SAFETY_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything a rank process needs to join its world (pickled into the spawned process)."""
+
+    rank: int
+    world_size: int
+    device: str  # "cpu" or "cuda"
+    store_host: str
+    store_port: int
+    workdir: str
+    parent_pid: int
+    pg_timeout_s: float
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def log_path(self) -> str:
+        return os.path.join(self.workdir, f"rank{self.rank}.log")
+
+    @property
+    def stack_path(self) -> str:
+        return os.path.join(self.workdir, f"rank{self.rank}.stack")
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What a function running on a rank may ask about where it runs (`harness.launch.context()`)."""
+
+    rank: int
+    world_size: int
+    device_type: str
+    workdir: str
+
+    @property
+    def device(self):
+        import torch
+
+        if self.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+_context: RankContext | None = None
+
+
+def bind_context(ctx: RankContext) -> None:
+    """Make `context()` work in a process started by another launcher (e.g. torchrun)."""
+    global _context
+    _context = ctx
+
+
+def context() -> RankContext:
+    """The calling rank's context; raises outside a rank process."""
+    if _context is None:
+        raise RuntimeError("harness.launch.context() is only available inside a rank process")
+    return _context
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Kill this rank's process group (itself and what it started) when the parent disappears,
+    so a killed pytest leaves no orphans even while the rank is busy in a call."""
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os.killpg(0, signal.SIGKILL)
+
+
+def _redirect_output(log_path: str) -> io.TextIOWrapper:
+    """Send fd 1 and 2 to the rank's log; the parent forwards each call's share of it."""
+    log = open(log_path, "a+b", buffering=0)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", buffering=0), write_through=True)
+    sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", buffering=0), write_through=True)
+    return log
+
+
+def _read_from(path: str, offset: int) -> str:
+    """Text of `path` from byte `offset` on ("" if unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def _init_process_group(spec: RankSpec) -> None:
+    import torch
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=spec.pg_timeout_s)
+    store = dist.TCPStore(
+        spec.store_host, spec.store_port, spec.world_size, is_master=False, timeout=timeout
+    )
+    if spec.device == "cuda":
+        torch.cuda.set_device(spec.rank % torch.cuda.device_count())
+        backend = "cpu:gloo,cuda:nccl"  # gloo too: Megatron makes gloo groups for CPU tensors
+    else:
+        from harness.backends import cpu_patches
+
+        cpu_patches.install()
+        backend = "gloo"
+    dist.init_process_group(
+        backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout
+    )
+
+
+def _setup_environment(spec: RankSpec) -> None:
+    os.environ.update(spec.env)
+    if spec.device == "cuda":
+        for key, value in CUDA_SAFETY_ENV.items():
+            os.environ.setdefault(key, value)
+    os.environ.update(
+        RANK=str(spec.rank),
+        LOCAL_RANK=str(spec.rank),
+        WORLD_SIZE=str(spec.world_size),
+        LOCAL_WORLD_SIZE=str(spec.world_size),
+        MASTER_ADDR=spec.store_host,
+        MASTER_PORT=str(spec.store_port),
+    )
+
+
+def _encode_error(exc: BaseException) -> tuple[bytes | None, str]:
+    tb = "".join(traceback.format_exception(exc))
+    try:
+        payload = pickle.dumps(exc)
+        pickle.loads(payload)  # some exceptions pickle but fail to unpickle
+    except Exception:
+        payload = None
+    return payload, tb
+
+
+def _serve(spec: RankSpec, conn: Connection) -> None:
+    while True:
+        message = conn.recv()
+        if message is None:  # orderly stop
+            return
+        call_id, sys_path, payload = message
+        for entry in sys_path:  # test modules imported after start must be importable here
+            if entry not in sys.path:
+                sys.path.append(entry)
+        offset = os.path.getsize(spec.log_path)
+        try:
+            fn, args, kwargs = pickle.loads(payload)
+            value = fn(*args, **kwargs)
+            try:
+                reply = (call_id, "ok", pickle.dumps(value), None)
+            except Exception as exc:
+                raise TypeError(
+                    f"the result of {getattr(fn, '__qualname__', fn)!r} on rank {spec.rank} "
+                    f"cannot be sent back to the parent: {exc}"
+                ) from exc
+        except BaseException as exc:  # noqa: BLE001 - even SystemExit goes back to the parent
+            error_payload, tb = _encode_error(exc)
+            reply = (call_id, "error", error_payload, tb)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        conn.send((*reply, _read_from(spec.log_path, offset)))
+
+
+def rank_main(spec: RankSpec, conn: Connection) -> None:
+    """Entry point of a spawned rank process."""
+    global _context
+    os.setpgrp()  # own process group: teardown kills the rank and anything it started
+    threading.Thread(target=_watch_parent, args=(spec.parent_pid,), daemon=True).start()
+    log = _redirect_output(spec.log_path)
+    faulthandler.enable(file=log, all_threads=True)
+    stack_file = open(spec.stack_path, "ab", buffering=0)
+    faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True, chain=False)
+    _setup_environment(spec)
+    try:
+        _init_process_group(spec)
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent as a start failure
+        conn.send(("start", "error", *_encode_error(exc), ""))
+        return
+    _context = RankContext(spec.rank, spec.world_size, spec.device, spec.workdir)
+    conn.send(("start", "ok", None, None, ""))
+    try:
+        _serve(spec, conn)
+    except EOFError:  # the parent is gone: take down anything this rank started, then itself
+        os.killpg(0, signal.SIGKILL)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,340 @@
+"""The parent side of the persistent world: N rank processes started once, reused by every call.
+
+Follows torch's `MultiProcContinuousTest`: workers live across tests, a call is sent to all ranks,
+per-rank results come back, and a worker's exception is re-raised in the parent with its rank and
+traceback. A call that outlives its timeout, or a rank that dies, collects every live rank's Python
+stack (faulthandler on SIGUSR1), tears the world down and leaves it to be started fresh.
+"""
+from __future__ import annotations
+
+import atexit
+import itertools
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import weakref
+from datetime import timedelta
+from multiprocessing.connection import wait
+from typing import Any, Callable
+
+from harness.launch.errors import (
+    RankDied,
+    RankError,
+    RemoteTraceback,
+    WorldError,
+    WorldStartError,
+    WorldTimeout,
+)
+from harness.launch.rank import STACK_SIGNAL, RankSpec, _read_from, rank_main
+
+DEVICES = ("cpu", "cuda")
+_live_worlds: "weakref.WeakSet[World]" = weakref.WeakSet()  # killed at exit: no orphan ranks
+_LOG_TAIL_LINES = 30
+
+
+class World:
+    """A persistent group of `size` rank processes on `device` ("cpu": gloo, "cuda": NCCL).
+
+    >>> with World(2) as world:
+    ...     world.run(torch.distributed.get_rank)
+    [0, 1]
+    """
+
+    def __init__(
+        self,
+        size: int,
+        device: str = "cpu",
+        *,
+        timeout: float = 300.0,
+        start_timeout: float = 180.0,
+        failure_grace: float = 5.0,
+        env: dict[str, str] | None = None,
+        echo_output: bool = True,
+    ):
+        if size < 1:
+            raise ValueError(f"world size must be >= 1, got {size}")
+        if device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+        if device == "cuda":
+            _require_gpus(size)
+        self.size = size
+        self.device = device
+        self.timeout = timeout
+        self.start_timeout = start_timeout
+        self.failure_grace = failure_grace
+        self.env = dict(env or {})
+        self.echo_output = echo_output
+        self.starts = 0  # how many times rank processes were (re)started
+        self.calls = 0  # how many calls were sent to the ranks
+        self._procs: list[mp.process.BaseProcess] = []
+        self._conns: list[Any] = []
+        self._store = None
+        self._workdir: str | None = None
+        self._call_ids = itertools.count()
+        _live_worlds.add(self)
+
+    # ----------------------------------------------------------------- lifecycle
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    @property
+    def workdir(self) -> str | None:
+        return self._workdir
+
+    def __enter__(self) -> "World":
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "alive" if self.alive else "stopped"
+        return f"World(size={self.size}, device={self.device!r}, {state}, starts={self.starts})"
+
+    def start(self) -> "World":
+        """Start the rank processes (no-op when already alive) and wait until all joined."""
+        if self.alive:
+            return self
+        self._kill()
+        import torch.distributed as dist
+
+        self._workdir = tempfile.mkdtemp(prefix=f"mrh-world{self.size}-{self.device}-")
+        self._store = dist.TCPStore(  # port 0: the OS picks a free port, no race between workers
+            "127.0.0.1", 0, self.size, is_master=True, wait_for_workers=False,
+            timeout=timedelta(seconds=self.start_timeout),
+        )
+        ctx = mp.get_context("spawn")
+        for rank in range(self.size):
+            parent_conn, child_conn = ctx.Pipe()
+            spec = RankSpec(
+                rank=rank, world_size=self.size, device=self.device, store_host="127.0.0.1",
+                store_port=self._store.port, workdir=self._workdir, parent_pid=os.getpid(),
+                pg_timeout_s=max(self.timeout, self.start_timeout), env=self.env,
+            )
+            # Not daemonic: a rank may start helpers of its own (the dist-ckpt writer does).
+            proc = ctx.Process(target=rank_main, args=(spec, child_conn), name=f"mrh-rank{rank}")
+            proc.start()
+            child_conn.close()
+            self._procs.append(proc)
+            self._conns.append(parent_conn)
+        self.starts += 1
+        try:
+            self._collect("start", self.start_timeout, what="start")
+        except Exception as exc:
+            self._kill()
+            remote = f"\n{exc.__cause__}" if isinstance(exc.__cause__, RemoteTraceback) else ""
+            raise WorldStartError(
+                f"world of {self.size} {self.device} ranks failed to start: {exc}{remote}"
+            ) from exc
+        return self
+
+    def close(self) -> None:
+        """Stop every rank (orderly if possible) and remove the world's files."""
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + 10.0
+        for proc in self._procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._kill()
+
+    def _kill(self) -> None:
+        """Kill every rank's process group (the rank and anything it started) and reap it."""
+        for proc in self._procs:
+            if proc.pid is None:
+                continue
+            for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), lambda: os.kill(proc.pid, signal.SIGKILL)):
+                try:
+                    kill()
+                except (ProcessLookupError, PermissionError):
+                    pass
+            proc.join(timeout=10.0)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns, self._store = [], [], None
+        if self._workdir:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+
+    # ----------------------------------------------------------------- calls
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        """Run `fn(*args, **kwargs)` on every rank; return the per-rank results in rank order.
+
+        `fn` must be picklable (a module-level function or a functools.partial of one). The first
+        exception raised on any rank is re-raised here with its rank and remote traceback attached.
+        """
+        self.start()
+        try:
+            payload = pickle.dumps((fn, args, kwargs))
+        except Exception as exc:
+            raise TypeError(f"{fn!r} and its arguments must be picklable to run on ranks: {exc}") from exc
+        call_id = next(self._call_ids)
+        self.calls += 1
+        message = (call_id, list(sys.path), payload)
+        for conn in self._conns:
+            conn.send(message)
+        return self._collect(call_id, self.timeout if timeout is None else timeout, what=_describe(fn))
+
+    def _collect(self, call_id: Any, timeout: float, what: str) -> list[Any]:
+        deadline = time.monotonic() + timeout
+        results: dict[int, bytes] = {}
+        errors: dict[int, tuple[bytes | None, str]] = {}
+        died: dict[int, int | None] = {}
+        pending = set(range(self.size))
+        failed_at: float | None = None
+        while pending:
+            if failed_at is not None:  # the others may be stuck waiting for the failed rank
+                deadline = min(deadline, failed_at + self.failure_grace)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            waitables = {self._conns[r]: r for r in pending}
+            waitables.update({self._procs[r].sentinel: r for r in pending})
+            for ready in wait(list(waitables), timeout=remaining):
+                rank = waitables[ready]
+                if rank not in pending:
+                    continue
+                pending.discard(rank)
+                reply = self._receive(rank)
+                if reply is not None:
+                    reply_id, status, payload, tb, output = reply
+                    if reply_id != call_id:
+                        raise WorldError(f"rank {rank} answered call {reply_id!r}, expected {call_id!r}")
+                    self._echo(rank, output)
+                    if status == "ok":
+                        results[rank] = payload
+                        continue
+                    errors[rank] = (payload, tb)
+                else:  # its sentinel fired: the process is gone
+                    self._procs[rank].join(timeout=1.0)
+                    died[rank] = self._procs[rank].exitcode
+                failed_at = failed_at or time.monotonic()
+        if pending or died:
+            self._fail_hard(what, timeout, pending, died, errors)
+        if errors:
+            self._raise_rank_error(errors, what)
+        return [pickle.loads(results[r]) if results[r] is not None else None for r in range(self.size)]
+
+    def _receive(self, rank: int) -> tuple | None:
+        """The rank's reply, or None when its pipe is closed (the process is gone)."""
+        try:
+            return self._conns[rank].recv() if self._conns[rank].poll() else None
+        except (EOFError, OSError):
+            return None
+
+    def _echo(self, rank: int, output: str) -> None:
+        if output and self.echo_output:
+            for line in output.rstrip("\n").split("\n"):
+                print(f"[rank{rank}] {line}")
+
+    # ----------------------------------------------------------------- failures
+    def _raise_rank_error(self, errors: dict[int, tuple[bytes | None, str]], what: str) -> None:
+        rank = min(errors)  # deterministic: the lowest failing rank
+        payload, tb = errors[rank]
+        others = sorted(set(errors) - {rank})
+        note = f"raised on rank {rank} of {self.size} ({self.device}) in {what}"
+        if others:
+            note += f"; ranks {others} failed too"
+        if payload is None:
+            raise RankError(f"{note}:\n{tb}", rank)
+        exc = pickle.loads(payload)
+        exc.add_note(note)
+        raise exc from RemoteTraceback(f"\n--- rank {rank} traceback ---\n{tb}")
+
+    def _fail_hard(self, what, timeout, hung, died, errors) -> None:
+        """A rank died or hung: gather every rank's story, tear the world down, raise."""
+        stacks = self._dump_stacks(sorted(hung))
+        sections = []
+        for rank in range(self.size):
+            if rank in died:
+                story = f"died with exit code {died[rank]}"
+            elif rank in hung:
+                story = "still running; its Python stack:\n" + (stacks.get(rank) or "(no stack dumped)")
+            elif rank in errors:
+                story = "raised:\n" + errors[rank][1]
+            else:
+                story = "finished"
+            sections.append(f"--- rank {rank}: {story}\n{self._log_tail(rank)}")
+        detail = "\n".join(sections)
+        self._kill()
+        if died:
+            rank = min(died)
+            raise RankDied(f"rank {rank} died (exit code {died[rank]}) during {what}\n{detail}", rank, died[rank])
+        if errors:
+            self._raise_rank_error(errors, what + " (other ranks hung after it; world restarted)")
+        raise WorldTimeout(
+            f"{what} timed out after {timeout:.1f}s on ranks {sorted(hung)} of {self.size}; "
+            f"world torn down, the next call starts a fresh one\n{detail}",
+            sorted(hung),
+        )
+
+    def _dump_stacks(self, ranks: list[int], wait_s: float = 3.0) -> dict[int, str]:
+        if not ranks or not self._workdir:
+            return {}
+        sizes = {r: _size(self._stack_path(r)) for r in ranks}
+        for rank in ranks:
+            try:
+                os.kill(self._procs[rank].pid, STACK_SIGNAL)
+            except ProcessLookupError:
+                pass
+        # faulthandler writes from a signal handler: wait until each file stops growing.
+        deadline = time.monotonic() + wait_s
+        last = dict(sizes)
+        settled: set[int] = set()
+        while time.monotonic() < deadline and len(settled) < len(ranks):
+            time.sleep(0.2)
+            for rank in ranks:
+                size = _size(self._stack_path(rank))
+                if size > sizes[rank] and size == last[rank]:
+                    settled.add(rank)
+                last[rank] = size
+        return {r: _read_from(self._stack_path(r), sizes[r]) for r in ranks}
+
+    def _stack_path(self, rank: int) -> str:
+        return os.path.join(self._workdir or "", f"rank{rank}.stack")
+
+    def _log_tail(self, rank: int) -> str:
+        text = _read_from(os.path.join(self._workdir or "", f"rank{rank}.log"), 0)
+        lines = text.rstrip("\n").split("\n")[-_LOG_TAIL_LINES:] if text else []
+        return "".join(f"    | {line}\n" for line in lines)
+
+
+def _require_gpus(size: int) -> None:
+    import torch
+
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found < size:
+        raise WorldStartError(f"a cuda world of {size} ranks needs {size} GPUs; this machine has {found}")
+
+
+def _kill_live_worlds() -> None:
+    for world in list(_live_worlds):
+        world._kill()
+
+
+def _describe(fn: Callable[..., Any]) -> str:
+    inner = getattr(fn, "func", fn)  # functools.partial
+    return f"{getattr(inner, '__module__', '?')}.{getattr(inner, '__qualname__', repr(inner))}"
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+atexit.register(_kill_live_worlds)

@@ -1,0 +1,173 @@
+"""The model zoo: small HF causal LMs defined by configs in code, with seeded random weights.
+
+No model hub is needed: every zoo model is an HF config plus `randomize_weights(seed)`. The tiny
+models are shaped so that each layout the harness runs is legal (4 layers: PP 1/2/4; 4 heads and
+2 KV heads: TP 1/2) and so that bugs show: the vocabulary (251, prime) is not divisible by 2 or 4,
+so Megatron must pad it, and every weight, norms and biases included, is random (see
+`harness.models.randomize`). `qwen3-0.6b-shape` is the real Qwen3-0.6B architecture with random
+weights, for GPU runs.
+
+Naming: `<family>` is untied, `<family>-tied` ties lm_head to embed_tokens.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen3Config,
+)
+from transformers.initialization import no_init_weights
+
+from harness.models.randomize import randomize_weights
+
+# Eager attention: the plain softmax(QK^T)V reference that the Megatron parity checks compare to.
+ATTN_IMPLEMENTATION = "eager"
+TINY_VOCAB_SIZE = 251  # prime: not divisible by 2 or 4, so Megatron's vocab padding is exercised
+
+_TINY_SHAPE: dict[str, Any] = dict(
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=TINY_VOCAB_SIZE,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+    # Base 1e4, not Qwen's 1e6: with sequences <= 128 a large base barely rotates, and a wrong
+    # rope base would then hide.
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    hidden_act="silu",
+    attention_dropout=0.0,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+# The published Qwen/Qwen3-0.6B config.json (architecture only).
+_QWEN3_0P6B_SHAPE: dict[str, Any] = dict(
+    hidden_size=1024,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=3072,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    hidden_act="silu",
+    attention_bias=False,
+    attention_dropout=0.0,
+    max_window_layers=28,
+    use_sliding_window=False,
+    sliding_window=None,
+    bos_token_id=151643,
+    eos_token_id=151645,
+    tie_word_embeddings=True,
+)
+
+
+@dataclass(frozen=True)
+class ZooModel:
+    """One zoo entry: an HF config class plus the keyword arguments that define the model."""
+
+    name: str
+    config_class: Callable[..., PretrainedConfig]
+    config_kwargs: dict[str, Any] = field(hash=False)
+    description: str
+
+    @property
+    def tied(self) -> bool:
+        return bool(self.config_kwargs.get("tie_word_embeddings", False))
+
+    def config(self) -> PretrainedConfig:
+        # A deep copy: config classes may normalize nested dicts (rope_parameters) in place.
+        return self.config_class(**copy.deepcopy(self.config_kwargs))
+
+
+def _tiny(name: str, config_class: Callable[..., PretrainedConfig], feature: str,
+          tied: bool) -> ZooModel:
+    suffix = "-tied" if tied else ""
+    tie_text = "tied lm_head/embed_tokens" if tied else "untied lm_head"
+    return ZooModel(
+        name=f"{name}{suffix}",
+        config_class=config_class,
+        config_kwargs={**_TINY_SHAPE, "tie_word_embeddings": tied},
+        description=f"tiny {feature}, {tie_text}, vocab {TINY_VOCAB_SIZE}",
+    )
+
+
+def _build_zoo() -> dict[str, ZooModel]:
+    entries = []
+    for tied in (False, True):
+        entries.append(_tiny("tiny-qwen2", Qwen2Config, "Qwen2 (QKV bias)", tied))
+        entries.append(_tiny("tiny-qwen3", Qwen3Config, "Qwen3 (QK-norm)", tied))
+        entries.append(_tiny("tiny-llama", LlamaConfig, "Llama", tied))
+    entries.append(ZooModel(
+        name="qwen3-0.6b-shape",
+        config_class=Qwen3Config,
+        config_kwargs=_QWEN3_0P6B_SHAPE,
+        description="Qwen3-0.6B architecture (tied), random weights; for GPU runs",
+    ))
+    return {entry.name: entry for entry in sorted(entries, key=lambda e: e.name)}
+
+
+ZOO: dict[str, ZooModel] = _build_zoo()
+
+
+def list_models() -> list[str]:
+    """Zoo model names, sorted."""
+    return list(ZOO)
+
+
+def is_zoo_name(name_or_path: str | os.PathLike) -> bool:
+    return isinstance(name_or_path, str) and name_or_path in ZOO
+
+
+def load_hf_config(name_or_path: str | os.PathLike) -> PretrainedConfig:
+    """The HF config of a zoo model or of a local checkpoint dir (no weights are built)."""
+    if is_zoo_name(name_or_path):
+        return ZOO[str(name_or_path)].config()
+    from harness.models.checkpoints import check_checkpoint_dir  # avoids an import cycle
+
+    return AutoConfig.from_pretrained(check_checkpoint_dir(Path(name_or_path)))
+
+
+def build_hf_model(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                   seed: int = 0) -> PreTrainedModel:
+    """The HF model (eval mode, eager attention) of a zoo name or a local checkpoint dir.
+
+    A zoo model gets `randomize_weights(seed)`; a checkpoint dir is loaded as saved (`seed` unused).
+    """
+    if not is_zoo_name(name_or_path):
+        from harness.models.checkpoints import check_checkpoint_dir
+
+        path = check_checkpoint_dir(Path(name_or_path))
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+        return model.eval()
+    config = ZOO[str(name_or_path)].config()
+    # HF's own init would be overwritten by randomize_weights anyway; skipping it saves ~10 s
+    # for the 0.6B shape. no_init_weights also skips tying, hence the explicit tie_weights().
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.float32)
+    model.tie_weights()
+    if config.tie_word_embeddings and model.get_output_embeddings().weight is not \
+            model.get_input_embeddings().weight:
+        raise RuntimeError(f"{name_or_path}: lm_head is not tied to embed_tokens after tie_weights()")
+    # Random values are drawn in float32 whatever `dtype` is, so a bf16 model is the rounded fp32 one.
+    randomize_weights(model, seed)
+    return model.to(dtype).eval()

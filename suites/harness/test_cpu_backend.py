@@ -1,0 +1,73 @@
+"""The CPU backend answers each CUDA assumption Megatron-Core makes (shared notes, megatron-on-cpu)."""
+from __future__ import annotations
+
+import pytest
+
+
+def _cuda_assumptions() -> dict:
+    import torch
+
+    made = torch.empty(3, device="cuda")
+    moved = torch.ones(2).cuda()
+    ordinal = torch.arange(4, device=torch.cuda.current_device())
+    torch.cuda.synchronize()
+    torch.cuda.manual_seed(7)
+    first = torch.rand(3)
+    torch.cuda.manual_seed(7)
+    second = torch.rand(3)
+    return {
+        "devices": {made.device.type, moved.device.type, ordinal.device.type},
+        "float_type": torch.ones(1).type(),
+        "half_type": torch.ones(1, dtype=torch.half).type(),
+        "explicit_type_cast": str(torch.ones(1).type(torch.float64).dtype),
+        "seed_reproducible": bool((first == second).all()),
+    }
+
+
+def _rng_tracker_forks_cleanly() -> bool:
+    import torch
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+    from harness.parallel.state import model_parallel
+
+    with model_parallel("tp2"):
+        model_parallel_cuda_manual_seed(11)
+        before = torch.get_rng_state()
+        with get_cuda_rng_tracker().fork():
+            inside = torch.rand(2)
+        after = torch.get_rng_state()
+        with get_cuda_rng_tracker().fork():
+            inside_again = torch.rand(2)
+    # The fork restores the default stream and advances the model-parallel stream.
+    return bool(torch.equal(before, after)) and not bool(torch.equal(inside, inside_again))
+
+
+def test_cuda_calls_land_on_cpu_inside_cpu_ranks(world_pool):
+    world = world_pool.get(2, "cpu")
+    for answer in world.run(_cuda_assumptions):
+        assert answer == {
+            "devices": {"cpu"},
+            "float_type": "torch.cuda.FloatTensor",
+            "half_type": "torch.cuda.HalfTensor",
+            "explicit_type_cast": "torch.float64",
+            "seed_reproducible": True,
+        }
+
+
+def test_megatron_rng_tracker_forks_on_cpu(world_pool):
+    assert world_pool.get(2, "cpu").run(_rng_tracker_forks_cleanly) == [True, True]
+
+
+def test_patches_install_and_uninstall_cleanly():
+    """In a throwaway interpreter: install changes behaviour, uninstall restores every original."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch; from harness.backends import cpu_patches as p; orig = torch.cuda.current_device; "
+        "p.install(); assert torch.empty(1, device='cuda').device.type == 'cpu'; p.uninstall(); "
+        "assert torch.cuda.current_device is orig and not p.is_installed(); "
+        "assert torch.ones(1).type() == 'torch.FloatTensor'; print('ok')"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

@@ -1,0 +1,220 @@
+"""The persistent world: start, per-rank results, failure propagation, timeouts, recovery, no orphans."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from harness.launch import RankDied, RemoteTraceback, World, WorldStartError, WorldTimeout, context
+
+pytestmark = pytest.mark.world_size(2)
+
+
+# --- functions that run on the ranks (module level: they are pickled by reference) ---
+def _rank_and_sum(offset: int) -> tuple[int, float]:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(1, device=context().device) * (dist.get_rank() + 1)
+    dist.all_reduce(t)
+    return dist.get_rank(), t.item() + offset
+
+
+def _say_hello() -> int:
+    print(f"hello from rank {context().rank}")
+    return os.getpid()
+
+
+def _raise_on_rank_one() -> str:
+    if context().rank == 1:
+        raise ValueError("invalid value on purpose")
+    return "fine"
+
+
+def _raise_then_others_block() -> None:
+    import torch.distributed as dist
+
+    if context().rank == 1:
+        raise KeyError("rank one gives up")
+    dist.barrier()  # rank 0 waits here for rank 1, which never comes
+
+
+def _stuck_in_here() -> None:
+    time.sleep(600)
+
+
+def _die_on_rank_one() -> None:
+    if context().rank == 1:
+        os._exit(3)
+    time.sleep(600)
+
+
+def _unpicklable_result():
+    return lambda: None
+
+
+def _start_grandchild() -> int:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]).pid
+
+
+def _backend_state() -> tuple[bool, str]:
+    import torch.distributed as dist
+
+    from harness.backends import cpu_patches
+
+    return cpu_patches.is_installed(), dist.get_backend()
+
+
+# --- tests ---
+def test_run_returns_every_rank_result_in_rank_order(world):
+    assert world.run(_rank_and_sum, 10) == [(0, 13.0), (1, 13.0)]
+
+
+def test_rank_output_reaches_the_test_prefixed_by_rank(world, capsys):
+    pids = world.run(_say_hello)
+    out = capsys.readouterr().out
+    assert "[rank0] hello from rank 0" in out and "[rank1] hello from rank 1" in out
+    assert pids == world.pids
+
+
+def test_cpu_backend_is_installed_only_in_cpu_ranks(world, device):
+    from harness.backends import cpu_patches
+
+    assert not cpu_patches.is_installed(), "the pytest parent must never be patched"
+    expected = (True, "gloo") if device == "cpu" else (False, "nccl")
+    states = world.run(_backend_state)
+    assert all(installed == expected[0] for installed, _ in states)
+    assert all(expected[1] in backend for _, backend in states)
+
+
+def test_rank_exception_is_reraised_with_rank_and_traceback(world):
+    pids = world.pids
+    with pytest.raises(ValueError, match="invalid value on purpose") as info:
+        world.run(_raise_on_rank_one)
+    assert any("rank 1 of 2" in note for note in info.value.__notes__)
+    cause = info.value.__cause__
+    assert isinstance(cause, RemoteTraceback) and "_raise_on_rank_one" in cause.tb
+    # Every rank answered, so the world is intact and keeps its processes.
+    assert world.alive and world.pids == pids
+    assert world.run(_rank_and_sum, 0)[0] == (0, 3.0)
+
+
+def test_failure_while_other_ranks_hang_restarts_the_world(world):
+    pids = world.pids
+    start = time.monotonic()
+    with pytest.raises(KeyError, match="rank one gives up") as info:
+        world.run(_raise_then_others_block)
+    assert time.monotonic() - start < world.failure_grace + 10
+    assert any("hung" in note for note in info.value.__notes__)
+    assert world.run(_rank_and_sum, 0) == [(0, 3.0), (1, 3.0)]
+    assert world.pids != pids and _survivors(pids) == []
+
+
+def test_timeout_dumps_every_rank_stack_and_recovers(world):
+    pids = world.pids
+    with pytest.raises(WorldTimeout) as info:
+        world.run(_stuck_in_here, timeout=3)
+    message = str(info.value)
+    assert info.value.hung_ranks == [0, 1]
+    for rank in (0, 1):
+        section = message.split(f"--- rank {rank}:")[1].split("--- rank")[0]
+        assert "_stuck_in_here" in section, f"rank {rank} stack missing:\n{message}"
+    assert _survivors(pids) == []
+    assert world.run(_rank_and_sum, 1) == [(0, 4.0), (1, 4.0)]
+
+
+def test_dead_rank_fails_fast_with_exit_code_and_the_other_stacks(world):
+    with pytest.raises(RankDied) as info:
+        world.run(_die_on_rank_one, timeout=60)
+    assert info.value.rank == 1 and info.value.exitcode == 3
+    assert "_die_on_rank_one" in str(info.value).split("--- rank 0:")[1]
+    assert world.run(_rank_and_sum, 0) == [(0, 3.0), (1, 3.0)]
+
+
+def test_unpicklable_function_and_result_are_clear_errors(world):
+    with pytest.raises(TypeError, match="must be picklable"):
+        world.run(lambda: 1)
+    with pytest.raises(TypeError, match="cannot be sent back"):
+        world.run(_unpicklable_result)
+
+
+def test_close_leaves_no_rank_or_grandchild_process(device):
+    world = World(2, device)
+    grandchildren = world.run(_start_grandchild)
+    ranks = world.pids
+    world.close()
+    assert _survivors(ranks + grandchildren) == [], "processes survived World.close()"
+
+
+def test_cuda_world_without_enough_gpus_is_one_clear_error():
+    import torch
+
+    too_many = (torch.cuda.device_count() if torch.cuda.is_available() else 0) + 1
+    with pytest.raises(WorldStartError, match=f"needs {too_many} GPUs"):
+        World(too_many, "cuda")
+
+
+def test_parent_killed_hard_leaves_no_orphans(tmp_path):
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent("""
+        import subprocess, sys, time
+        from harness.launch import World
+
+        def _start_grandchild():
+            return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]).pid
+
+        if __name__ == "__main__":
+            world = World(2)
+            kids = world.run(_start_grandchild)
+            print(*world.pids, *kids, flush=True)
+            time.sleep(600)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+    finally:
+        proc.kill()  # SIGKILL: no atexit, no finalizers - only the ranks' own watchdog can act
+        proc.wait()
+    assert len(pids) == 4, pids
+    assert _survivors(pids, wait_s=15) == []
+
+
+def test_session_end_leaves_no_orphans(pytester):
+    """A whole pytest session (plugin loaded from its entry point) cleans up its worlds."""
+    pids_file = pytester.path / "pids.txt"
+    pytester.makepyfile(test_inner=f"""
+        import subprocess, sys, pytest
+
+        def _start_grandchild():
+            return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]).pid
+
+        @pytest.mark.world_size(2)
+        def test_uses_a_world(world):
+            kids = world.run(_start_grandchild)
+            with open({str(pids_file)!r}, "w") as f:
+                f.write(" ".join(map(str, world.pids + kids)))
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--mrh-devices=cpu", "-q")
+    result.assert_outcomes(passed=1)
+    pids = [int(p) for p in pids_file.read_text().split()]
+    assert len(pids) == 4 and _survivors(pids) == []
+
+
+def _survivors(pids: list[int], wait_s: float = 5.0) -> list[int]:
+    """The pids still running after up to `wait_s` (SIGKILL is delivered asynchronously)."""
+    deadline = time.monotonic() + wait_s
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if _running(p)]
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -1,0 +1,219 @@
+"""The model zoo, in the pytest parent process: no torch.distributed, no Megatron, no CPU patches.
+
+These pin down what the Megatron parity checks rely on: weights that are deterministic by seed and
+random everywhere (so a wrong mapping shows), a vocab that forces padding, and one resolver that
+treats zoo names and local HF checkpoint dirs alike.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from harness.models import (
+    ZOO,
+    ModelNotFoundError,
+    build_hf_model,
+    is_complete,
+    list_models,
+    load_hf_config,
+    materialize,
+    resolve_model,
+    zoo_dir,
+)
+from harness.models import checkpoints
+
+TINY = [name for name in list_models() if name.startswith("tiny-")]
+FAMILIES = ("tiny-qwen2", "tiny-qwen3", "tiny-llama")
+
+
+def _state(name: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    return build_hf_model(name, seed=seed).state_dict()
+
+
+def test_zoo_names():
+    expected = {f"{family}{suffix}" for family in FAMILIES for suffix in ("", "-tied")}
+    assert set(list_models()) == expected | {"qwen3-0.6b-shape"}
+    assert list(ZOO) == list_models() == sorted(list_models())
+    for name in list_models():
+        assert ZOO[name].tied == (name.endswith("-tied") or name == "qwen3-0.6b-shape")
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_tiny_shape_exercises_padding_and_layouts(name):
+    config = load_hf_config(name)
+    assert config.vocab_size % 2 and config.vocab_size % 4, "vocab must force Megatron padding"
+    for pp in (1, 2, 4):
+        assert config.num_hidden_layers % pp == 0
+    assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+            config.head_dim, config.intermediate_size, config.max_position_embeddings) == \
+        (64, 4, 2, 16, 128, 128)
+    assert config.tie_word_embeddings == name.endswith("-tied")
+
+
+def test_family_features():
+    assert load_hf_config("tiny-qwen2").model_type == "qwen2"
+    assert any(k.endswith("q_proj.bias") for k in _state("tiny-qwen2"))  # QKV bias
+    assert any(k.endswith("k_norm.weight") for k in _state("tiny-qwen3"))  # QK-norm
+    llama = _state("tiny-llama")
+    assert not any(k.endswith(".bias") or "q_norm" in k for k in llama)
+
+
+def test_qwen3_0p6b_shape_is_the_real_architecture():
+    config = load_hf_config("qwen3-0.6b-shape")  # config only: building the weights takes ~20 s
+    assert config.model_type == "qwen3"
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
+            config.num_key_value_heads, config.head_dim, config.intermediate_size,
+            config.vocab_size) == (1024, 28, 16, 8, 128, 3072, 151936)
+    assert config.tie_word_embeddings
+    assert config.rope_parameters["rope_theta"] == 1_000_000
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_same_seed_same_weights_other_seed_other_weights(name):
+    first, again, other = _state(name, 0), _state(name, 0), _state(name, 1)
+    assert first.keys() == again.keys() == other.keys()
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    assert all(not torch.equal(first[k], other[k]) for k in first)
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_every_weight_is_random(name):
+    state = _state(name)
+    constant = [k for k, v in state.items() if torch.all(v == 1) or torch.all(v == 0)]
+    assert constant == [], f"not randomized: {constant}"
+    norms = [v for k, v in state.items() if "norm" in k]
+    assert norms and all(v.std() > 0.01 and abs(v.mean() - 1) < 0.1 for v in norms)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tied_lm_head_is_the_embedding(family):
+    tied, untied = build_hf_model(f"{family}-tied"), build_hf_model(family)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    assert not torch.equal(untied.lm_head.weight, untied.model.embed_tokens.weight)
+
+
+def test_dtype_is_the_rounded_float32_model():
+    fp32, bf16 = build_hf_model("tiny-qwen3", torch.float32), build_hf_model("tiny-qwen3", torch.bfloat16)
+    weight = "model.layers.0.self_attn.k_norm.weight"
+    assert bf16.state_dict()[weight].dtype == torch.bfloat16
+    assert torch.equal(bf16.state_dict()[weight], fp32.state_dict()[weight].bfloat16())
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen2-tied", "tiny-llama"])
+def test_hf_forward(name):
+    model = build_hf_model(name)
+    assert model.config._attn_implementation == "eager"
+    tokens = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(tokens).logits
+    assert logits.shape == (2, 12, model.config.vocab_size)
+    assert torch.isfinite(logits).all() and logits.std() > 0.1  # weights give non-flat softmax
+
+
+def test_materialize_writes_a_complete_dir(tmp_path):
+    path = materialize("tiny-qwen3-tied", tmp_path, seed=3)
+    assert path == zoo_dir("tiny-qwen3-tied", tmp_path, 3) == tmp_path / "tiny-qwen3-tied-seed3"
+    assert (path / "config.json").is_file() and (path / "model.safetensors").is_file()
+    assert is_complete(path)
+    assert [p.name for p in tmp_path.iterdir()] == [path.name], "temp dirs must not be left behind"
+    on_disk = load_file(path / "model.safetensors")
+    built = _state("tiny-qwen3-tied", seed=3)
+    assert "lm_head.weight" not in on_disk  # tied: saved once, as embed_tokens
+    assert all(torch.equal(on_disk[k], built[k]) for k in on_disk)
+    assert set(built) - set(on_disk) == {"lm_head.weight"}
+    assert json.loads((path / "config.json").read_text())["vocab_size"] == 251
+
+
+def test_materialize_reuses_a_complete_dir(tmp_path, monkeypatch):
+    path = materialize("tiny-llama", tmp_path)
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+
+    def must_not_rebuild(*args, **kwargs):
+        raise AssertionError("a complete dir was rebuilt")
+
+    monkeypatch.setattr(checkpoints, "build_hf_model", must_not_rebuild)
+    assert materialize("tiny-llama", tmp_path) == path
+    assert (path / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_materialize_replaces_an_incomplete_dir(tmp_path):
+    partial = zoo_dir("tiny-qwen2", tmp_path, 0)
+    partial.mkdir()
+    (partial / "config.json").write_text("{}")
+    assert not is_complete(partial)
+    assert materialize("tiny-qwen2", tmp_path) == partial
+    assert is_complete(partial)
+
+
+def test_materialize_concurrent_callers_agree(tmp_path):
+    paths: list[Path] = []
+    threads = [threading.Thread(target=lambda: paths.append(materialize("tiny-qwen2", tmp_path)))
+               for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(set(paths)) == 1 and is_complete(paths[0])
+    assert [p.name for p in tmp_path.iterdir()] == [paths[0].name]
+
+
+def test_resolve_model_accepts_zoo_names_and_local_dirs(tmp_path):
+    zoo_path = resolve_model("tiny-qwen3", tmp_path / "cache", seed=2)
+    assert zoo_path == zoo_dir("tiny-qwen3", tmp_path / "cache", 2)
+    user_dir = tmp_path / "my-checkpoint"
+    shutil.copytree(zoo_path, user_dir)
+    (user_dir / checkpoints.MANIFEST).unlink()  # a user's dir has no zoo manifest
+    assert resolve_model(str(user_dir), tmp_path / "cache") == user_dir
+    assert resolve_model(user_dir) == user_dir
+    assert load_hf_config(user_dir).vocab_size == 251
+    from_dir, from_zoo = build_hf_model(user_dir), build_hf_model("tiny-qwen3", seed=2)
+    tokens = torch.arange(10).unsqueeze(0)
+    with torch.no_grad():
+        assert torch.equal(from_dir(tokens).logits, from_zoo(tokens).logits)
+
+
+def _assert_lists_zoo(message: str) -> None:
+    for name in list_models():
+        assert name in message
+
+
+def test_resolve_model_unknown_name(tmp_path):
+    with pytest.raises(ModelNotFoundError) as error:
+        resolve_model("tiny-gpt5", tmp_path)
+    assert "unknown model 'tiny-gpt5'" in str(error.value)
+    _assert_lists_zoo(str(error.value))
+    with pytest.raises(ModelNotFoundError, match="unknown zoo model 'tiny-gpt5'"):
+        materialize("tiny-gpt5", tmp_path)
+
+
+def test_resolve_model_dir_without_config(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelNotFoundError) as error:
+        resolve_model(tmp_path)
+    assert "config.json is missing" in str(error.value) and str(tmp_path) in str(error.value)
+    _assert_lists_zoo(str(error.value))
+
+
+def test_resolve_model_dir_without_weights(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ModelNotFoundError) as error:
+        resolve_model(tmp_path)
+    assert "no *.safetensors weights" in str(error.value)
+    _assert_lists_zoo(str(error.value))
+
+
+def test_resolve_model_dir_with_missing_shard(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"")
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors",
+                            "b": "model-00002-of-00002.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelNotFoundError, match="model-00002-of-00002.safetensors"):
+        resolve_model(tmp_path)
