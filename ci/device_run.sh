@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Run a suite on a lent GPU machine (bare image: Python 3.12 + torch, no megatron-core/mbridge).
+# Usage: bash ci/device_run.sh NAME [pytest args...]   (wheels in .whl/, results under $OUT)
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+name=$1; shift
+out=${OUT:-reports/gpu}
+python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
+start=$(date -u +%FT%TZ); t0=$(date +%s)
+python3 -m pytest "$@" -ra -p no:cacheprovider --junitxml="$out/$name.junit.xml" 2>&1 | tee "$out/$name.log"
+rc=${PIPESTATUS[0]}
+python3 ci/gpu_report.py --name "$name" --junit "$out/$name.junit.xml" --log "$out/$name.log" \
+  --started "$start" --wall-s $(( $(date +%s) - t0 )) --command "pytest $*" --out "$out" || rc=1
+exit $rc

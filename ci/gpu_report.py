@@ -1,0 +1,78 @@
+"""Turn a device run's JUnit XML into a committed report: JSON + Markdown with machine, versions,
+date and command (until the report recorder of harness/report lands, this is the GPU record)."""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import xml.etree.ElementTree as ET
+from importlib import metadata
+from pathlib import Path
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def environment() -> dict:
+    import torch
+
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True).stdout.split("\n")[0].strip()
+    except OSError:
+        driver = None
+    return {
+        "host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
+        "cuda": torch.version.cuda, "driver": driver, "gpus": gpus, "gpu_count": len(gpus),
+        **{name: _version(name) for name in ("megatron-core", "mbridge", "transformers", "transformer-engine")},
+    }
+
+
+def cases(junit: Path) -> list[dict]:
+    rows = []
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        outcome = "passed"
+        detail = ""
+        for tag in ("failure", "error", "skipped"):
+            node = case.find(tag)
+            if node is not None:
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
+                detail = (node.get("message") or "")[:300]
+        rows.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
+                     "time_s": float(case.get("time") or 0), "detail": detail})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    for flag in ("--name", "--junit", "--log", "--started", "--command", "--out"):
+        parser.add_argument(flag, required=True)
+    parser.add_argument("--wall-s", type=float, required=True)
+    args = parser.parse_args()
+    rows = cases(Path(args.junit))
+    counts = {k: sum(r["outcome"] == k for r in rows) for k in ("passed", "failed", "error", "skipped")}
+    report = {"name": args.name, "command": args.command, "started": args.started,
+              "wall_s": args.wall_s, "counts": counts, "environment": environment(), "tests": rows}
+    out = Path(args.out)
+    (out / f"{args.name}.json").write_text(json.dumps(report, indent=2))
+    env = report["environment"]
+    lines = [f"# {args.name}", "", f"- command: `{args.command}`", f"- started: {args.started}, wall {args.wall_s:.0f} s",
+             f"- machine: {env['gpu_count']}x {env['gpus'][0] if env['gpus'] else 'no GPU'}, driver {env['driver']}, host {env['host']}",
+             f"- versions: python {env['python']}, torch {env['torch']} (CUDA {env['cuda']}), megatron-core {env['megatron-core']}, "
+             f"mbridge {env['mbridge']}, transformers {env['transformers']}, transformer-engine {env['transformer-engine']}",
+             f"- outcome: " + ", ".join(f"{v} {k}" for k, v in counts.items()), "",
+             "| test | outcome | time (s) | detail |", "|---|---|---|---|"]
+    lines += [f"| `{r['test']}` | {r['outcome']} | {r['time_s']:.2f} | {r['detail'].replace('|', '/')} |"
+              for r in sorted(rows, key=lambda r: (r["outcome"] == "passed", r["test"]))]
+    (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    print(f"report: {out / (args.name + '.json')} and .md; {counts}")
+
+
+if __name__ == "__main__":
+    main()
