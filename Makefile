@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-gpu bench clean
+.PHONY: setup test test-gpu parity bench clean
 
 setup:
 	@$(PYTHON) -c 'import sys; v = sys.version_info[:2]; assert (3, 11) <= v <= (3, 12), f"Python 3.11 or 3.12 needed, found {v}"'
@@ -22,6 +22,9 @@ test:
 
 test-gpu:
 	$(BIN)/python -m pytest suites -m gpu $(PYTEST_ARGS)
+
+parity:
+	$(BIN)/mrh parity --model tiny-qwen3 --layouts tp1,tp2,pp2 --device cpu
 
 bench:
 	$(BIN)/mrh bench world --ranks 2 --device cpu

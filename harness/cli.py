@@ -16,6 +16,12 @@ def _parser() -> argparse.ArgumentParser:
     world.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     world.add_argument("--repeats", type=int, default=3, help="fresh launches to time (default 3)")
     world.set_defaults(handler="harness.bench.world:main")
+
+    from harness.parity.cli import add_arguments as parity_arguments
+
+    parity = commands.add_parser("parity", help="HF vs Megatron logprob parity over layouts")
+    parity_arguments(parity)
+    parity.set_defaults(handler="harness.parity.cli:main")
     return parser
 
 

@@ -104,7 +104,9 @@ def install() -> None:
     for name, fn in cuda_rng.items():
         _patch(torch.cuda, name, fn)
         _patch(torch.cuda.random, name, fn)
-    _patch(torch.cuda, "current_device", lambda: 0)  # an ordinal; the mode maps it to CPU
+    # A device, not an ordinal: the function mode is not active inside autograd's backward (torch
+    # 2.13), where Megatron's sequence-parallel gathers allocate on current_device().
+    _patch(torch.cuda, "current_device", lambda: _CPU)
     _patch(torch.cuda, "synchronize", _ignore)  # pipeline p2p calls it unconditionally
     try:
         from megatron.core.tensor_parallel import random as mcore_random

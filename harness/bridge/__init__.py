@@ -7,7 +7,8 @@ initialized (and, on CPU, after harness.backends.cpu_patches.install()).
     info = bridge_info(models)              # info.vocab_size: slice logits to it
     state = export_hf_state_dict(models)    # HF names -> full tensors, on every rank
 
-The mbridge fixes and why each is needed: harness.bridge.mbridge_compat.
+The mbridge fixes and why each is needed: harness.bridge.mbridge_compat. Sequence parallelism
+works with the local (no-TE) spec through harness.bridge.norms.LocalRMSNorm.
 """
 from harness.bridge.export import export_hf_state_dict
 from harness.bridge.load import BridgeInfo, bridge_info, hf_bridge, load_megatron_model
@@ -19,6 +20,7 @@ from harness.bridge.mbridge_compat import (
     make_bridge,
     resolve_spec,
 )
+from harness.bridge.norms import LocalRMSNorm, local_block_spec, norm_slots, use_local_norms
 from harness.bridge.versions import (
     UnsupportedVersionError,
     check_supported_versions,
@@ -26,8 +28,9 @@ from harness.bridge.versions import (
 )
 
 __all__ = [
-    "BridgeInfo", "HarnessBridgeMixin", "SUPPORTED_MODEL_TYPES", "UnsupportedModelError",
-    "UnsupportedVersionError", "bridge_info", "check_hf_config", "check_supported_versions",
-    "export_hf_state_dict", "hf_bridge", "load_megatron_model", "make_bridge", "resolve_spec",
-    "te_available",
+    "BridgeInfo", "HarnessBridgeMixin", "LocalRMSNorm", "SUPPORTED_MODEL_TYPES",
+    "UnsupportedModelError", "UnsupportedVersionError", "bridge_info", "check_hf_config",
+    "check_supported_versions", "export_hf_state_dict", "hf_bridge", "load_megatron_model",
+    "local_block_spec", "make_bridge", "norm_slots", "resolve_spec", "te_available",
+    "use_local_norms",
 ]

@@ -20,11 +20,19 @@ behaviour it replaces and why:
    `config.rope_theta` (AttributeError), and LLaMABridge tests `"rope_scaling" in config`
    (TypeError in transformers 5). Non-default rope types are rejected rather than silently run as
    plain RoPE.
-5. Config: sequence parallelism is off unless asked for (the local spec's torch RMSNorm asserts it
-   is off; mbridge turns it on whenever TP > 1); masked_softmax_fusion is on only when Megatron's
-   fused-softmax CUDA extensions exist (mbridge turns it on unconditionally, and a bf16 forward then
-   fails importing them); fp16 sets `fp16=True` (mbridge only sets bf16, and Float16Module refuses
-   fp16 without it).
+5. Config: sequence parallelism is off unless asked for (mbridge turns it on whenever TP > 1, and
+   the caller's inputs must then have a sequence length divisible by TP); masked_softmax_fusion is
+   on only when Megatron's fused-softmax CUDA extensions exist (mbridge turns it on
+   unconditionally, and a bf16 forward then fails importing them); fp16 sets `fp16=True` (mbridge
+   only sets bf16, and Float16Module refuses fp16 without it).
+6. Local-spec norms: Megatron's local spec builds its norms with WrappedTorchNorm, which asserts
+   sequence parallelism is off (and, when apex is installed, puts apex's FusedLayerNorm, which
+   refuses RMSNorm, in the final-norm slot). Every norm slot (input_layernorm, pre_mlp_layernorm,
+   q/k_layernorm, final_layernorm) gets harness.bridge.norms.LocalRMSNorm instead: torch's RMSNorm
+   (same forward and weight names) whose weight carries `sequence_parallel` as TE's norms do, so
+   Megatron's finalize_model_grads sums its grads over TP under sequence parallelism. With that,
+   sequence parallelism works with the local spec too (the other local-spec modules already
+   support it).
 """
 from __future__ import annotations
 
@@ -37,6 +45,7 @@ from typing import Any, Literal, Mapping, Optional
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from harness.bridge.norms import local_block_spec
 from harness.bridge.versions import (
     check_supported_versions,
     fused_softmax_kernels_available,
@@ -147,10 +156,8 @@ class HarnessBridgeMixin:
 
         # mbridge's model provider reads has_vp_stage after calling this method.
         self.has_vp_stage = "vp_stage" in inspect.signature(get_gpt_decoder_block_spec).parameters
-        extra = {"vp_stage": vp_stage} if self.has_vp_stage else {}
-        return get_gpt_decoder_block_spec(
-            self.config, use_transformer_engine=False,
-            normalization=self.config.normalization, **extra)
+        # Override 6: LocalRMSNorm in every norm slot.
+        return local_block_spec(self.config, vp_stage=vp_stage)
 
 
 @functools.cache
@@ -167,14 +174,13 @@ def make_bridge(path: str | Path, *, dtype: torch.dtype = torch.float32,
     Rank-side: Megatron's parallel state must be initialized (the bridge reads TP/PP/VPP from it).
     The vocab is padded to a multiple of `make_vocab_size_divisible_by * TP`, as Megatron-LM does.
     `config_overrides` are TransformerConfig fields applied last (e.g. recompute settings).
+    `sequence_parallel` works with either spec (it needs TP > 1, which Megatron checks, and inputs
+    whose sequence length is divisible by TP).
     """
     check_supported_versions()
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
     resolved = resolve_spec(spec)
-    if sequence_parallel and resolved == "local":
-        raise ValueError("sequence_parallel needs the Transformer Engine spec: the local spec's "
-                         "torch RMSNorm asserts sequence parallelism is off")
     import mbridge  # noqa: F401  (importing registers the model bridges)
     from mbridge.core.bridge import _MODEL_REGISTRY
     from megatron.core import parallel_state

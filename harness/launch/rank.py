@@ -129,6 +129,8 @@ def _init_process_group(spec: RankSpec) -> None:
         from harness.backends import cpu_patches
 
         cpu_patches.install()
+        # Ranks share the machine's cores: more intra-op threads than cores/ranks only spin.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
         backend = "gloo"
     dist.init_process_group(
         backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout

@@ -1,0 +1,1 @@
+"""Parity checks between HF and Megatron: metrics, the tolerance table, the checks built on them."""

@@ -1,0 +1,83 @@
+"""`mrh parity`: HF vs Megatron logprob parity of one model over a list of layouts.
+
+Progress goes to stderr while it runs; a table (or JSON with --json) goes to stdout at the end;
+the exit status is 1 when any row fails its tolerance.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from harness.launch import WorldPool
+from harness.parallel.layout import LayoutError, parse_layout_list, resolve, validate
+from harness.parity.runner import DTYPES, ParityCase, prepare_model, run_parity
+from harness.parity.variants import VariantError, check_variant
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", default="tiny-qwen3", help="zoo name or local HF checkpoint dir (default tiny-qwen3)")
+    parser.add_argument("--layouts", default="tp1,tp2,pp2", help="comma list, e.g. tp1,tp2,pp2,tp2pp2 (default tp1,tp2,pp2)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="fp32")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--variant", default=None, help="a negative-control variant (must then fail)")
+    parser.add_argument("--cache-dir", default=None, help="where zoo models are materialized")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per layout before stacks are dumped")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _preflight(args) -> list:
+    """Every input checked before any rank starts: one clear error, exit 2."""
+    layouts = parse_layout_list(args.layouts)
+    _, config = prepare_model(args.model, args.cache_dir)
+    resolved = []
+    for layout in layouts:
+        size = layout.world_size
+        layout = resolve(layout, size)
+        validate(layout, size, config)
+        check_variant(args.variant, layout, bool(getattr(config, "tie_word_embeddings", False)))
+        resolved.append(layout)
+    return resolved
+
+
+def main(args) -> int:
+    try:
+        layouts = _preflight(args)
+    except (LayoutError, VariantError, FileNotFoundError, ValueError) as exc:
+        print(f"mrh parity: {exc}", file=sys.stderr)
+        return 2
+    pool = WorldPool(timeout=args.timeout, echo_output=False)
+    results = []
+    try:
+        for i, layout in enumerate(layouts, 1):
+            _log(f"[{i}/{len(layouts)}] {args.model} {layout} {args.dtype} on {layout.world_size} {args.device} rank(s) ...")
+            start = time.perf_counter()
+            world = pool.get(layout.world_size, args.device)
+            result = run_parity(world, ParityCase(args.model, layout, args.dtype, args.variant),
+                                cache_dir=args.cache_dir, suite="parity", test="mrh parity")
+            results.append(result)
+            _log(f"      {'PASS' if result.passed else 'FAIL'} in {time.perf_counter() - start:.1f}s: {result.summary()}")
+    finally:
+        pool.close()
+    rows = [row for result in results for row in result.rows]
+    if args.json:
+        print(json.dumps([row.as_dict() for row in rows], indent=1))
+    else:
+        print(_table(rows))
+    failed = [r for r in rows if not r.passed]
+    _log(f"{len(rows) - len(failed)}/{len(rows)} rows pass" + (f"; {len(failed)} FAIL" if failed else ""))
+    return 1 if failed else 0
+
+
+def _table(rows) -> str:
+    header = f"{'layout':<12} {'metric':<22} {'value':>12} {'tolerance':>11}  result"
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        sign = ">=" if row.extra.get("tolerance_kind") == "min" else "<="
+        lines.append(f"{row.layout:<12} {row.metric:<22} {row.value:>12.4g} {sign}{row.tolerance:>9.6g}  "
+                     f"{'pass' if row.passed else 'FAIL'}")
+    return "\n".join(lines)

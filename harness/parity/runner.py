@@ -1,0 +1,165 @@
+"""HF vs Megatron logprob parity for one (model, layout, dtype, device, variant) case.
+
+Parent-side `run_parity` validates everything first (model, layout, variant, batch split), then one
+call on the world loads the model through the bridge under the layout, computes Megatron logprobs
+(forward-only schedule, vocab-parallel) and, once per model/dtype/device, the HF reference on the
+same device. The comparison, its tolerances and the report rows are computed in the parent.
+"""
+from __future__ import annotations
+
+import gc
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harness.data.rl_batch import RLBatch, standard_parity_batch
+from harness.parallel.layout import Layout, parse_layout, resolve, validate
+from harness.parallel.state import run_in_layout
+from harness.parity.metrics import compare_logprobs, top1_agreement
+from harness.parity.tolerances import check
+from harness.parity.variants import VariantError, apply_variant, check_variant
+from harness.report import Row
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ParityCase:
+    model: str  # zoo name or local HF checkpoint dir
+    layout: Layout | str
+    dtype: str = "fp32"
+    variant: str | None = None
+    micro_batches: int | None = None  # default: 2 per pipeline stage (1 without PP)
+    batch_seed: int = 0
+    packing: str = "right"  # "right" (remove left padding) or "packed" (see harness.logprobs.megatron)
+
+
+@dataclass
+class ParityResult:
+    case: ParityCase
+    layout: Layout
+    device: str
+    metrics: dict[str, float]
+    checks: list[tuple[str, float, Any, bool]]
+    rows: list[Row] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(ok for *_, ok in self.checks)
+
+    def summary(self) -> str:
+        parts = [f"{m}={v:.3g} ({'ok' if ok else 'FAIL'} vs {t.limit:g})" for m, v, t, ok in self.checks]
+        what = f"{self.case.model} {self.layout} {self.case.dtype} {self.device}"
+        if self.case.packing != "right":
+            what += f" packing={self.case.packing}"
+        if self.case.variant:
+            what += f" variant={self.case.variant}"
+        return f"{what}: " + ", ".join(parts)
+
+
+def _micro_batches(case: ParityCase, layout: Layout, rows_per_dp: int) -> int:
+    wanted = case.micro_batches or (2 * layout.pp if layout.pp > 1 else 1)
+    if layout.vpp and wanted % layout.pp:
+        raise ValueError(f"the interleaved (VPP) schedule needs a micro-batch count divisible by pp={layout.pp}")
+    if rows_per_dp % wanted:
+        raise ValueError(f"{rows_per_dp} rows per data-parallel rank do not split into {wanted} micro-batches")
+    return wanted
+
+
+# ----------------------------------------------------------------------------- rank-side
+def _hf_reference(path: str, dtype: torch.dtype, batch: RLBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    from harness.launch import context
+    from harness.logprobs.hf import hf_token_outputs
+    from harness.models import build_hf_model
+
+    model = build_hf_model(path, dtype=dtype).to(context().device)
+    device_batch = batch.to(context().device)
+    with torch.no_grad():
+        logprobs, top1 = hf_token_outputs(model, device_batch)
+    del model
+    return logprobs.cpu(), top1.cpu()
+
+
+def _rank_parity(layout: Layout, path: str, dtype: torch.dtype, batch: RLBatch, micro_batches: int,
+                 variant: str | None, packing: str, want_hf: bool):
+    import torch.distributed as dist
+
+    from harness.bridge import load_megatron_model
+    from harness.logprobs.megatron import megatron_logprobs
+
+    models = load_megatron_model(path, dtype=dtype, sequence_parallel=layout.sequence_parallel)
+    apply_variant(variant, models)
+    with torch.no_grad():
+        result = megatron_logprobs(models, batch, micro_batches=micro_batches, packing=packing)
+    del models
+    hf = _hf_reference(path, dtype, batch) if want_hf and dist.get_rank() == 0 else None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result, hf
+
+
+# ----------------------------------------------------------------------------- parent-side
+def prepare_model(model: str, cache_dir: str | os.PathLike | None = None) -> tuple[Path, Any]:
+    """The checkpoint dir (materialized once, here in the parent) and its HF config."""
+    from harness.models import load_hf_config, resolve_model
+
+    path = resolve_model(model, cache_dir)
+    return path, load_hf_config(path)
+
+
+def run_parity(world, case: ParityCase, *, device: str | None = None, batch: RLBatch | None = None,
+               hf_cache: dict | None = None, cache_dir: str | os.PathLike | None = None,
+               suite: str = "parity", test: str = "") -> ParityResult:
+    """Run one parity case on `world` and return metrics, tolerance checks and report rows."""
+    device = device or world.device
+    if case.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {case.dtype!r}")
+    layout = case.layout if isinstance(case.layout, Layout) else parse_layout(case.layout)
+    layout = resolve(layout, world.size)
+    path, config = prepare_model(case.model, cache_dir)
+    validate(layout, world.size, config)
+    variant = check_variant(case.variant, layout, bool(getattr(config, "tie_word_embeddings", False)))
+    batch = batch if batch is not None else standard_parity_batch(config.vocab_size, seed=case.batch_seed)
+    batch.validate(config.vocab_size)
+    micro = _micro_batches(case, layout, batch.batch_size // layout.dp)
+
+    key = (str(path), case.dtype, device, _batch_key(batch))
+    cached = (hf_cache or {}).get(key)
+    results = run_in_layout(
+        world, layout, _rank_parity, str(path), DTYPES[case.dtype], batch, micro, case.variant,
+        (variant.packing if variant and variant.packing else case.packing), cached is None,
+    )
+    from harness.logprobs.megatron import assemble
+
+    megatron_lp, megatron_top1 = assemble([r for r, _ in results])
+    reference = cached or results[0][1]
+    if hf_cache is not None:
+        hf_cache[key] = reference
+    hf_lp, hf_top = reference
+    mask = batch.response_mask
+    metrics = compare_logprobs(hf_lp, megatron_lp, mask)
+    metrics["top1_agreement"] = top1_agreement(hf_top, megatron_top1, mask)
+    checks = check(metrics, case.dtype)
+    result = ParityResult(case, layout, device, metrics, checks)
+    result.rows = _rows(result, suite, test, str(case.model))
+    return result
+
+
+def _batch_key(batch: RLBatch) -> int:
+    return hash((batch.input_ids.numpy().tobytes(), batch.attention_mask.numpy().tobytes(),
+                 batch.response_mask.numpy().tobytes()))
+
+
+def _rows(result: ParityResult, suite: str, test: str, model: str) -> list[Row]:
+    extra = {"variant": result.case.variant, "packing": result.case.packing,
+             "tokens": result.metrics.get("tokens")}
+    return [
+        Row(suite=suite, test=test, layout=result.layout.name, metric=metric, value=float(value),
+            tolerance=tol.limit, passed=bool(ok), model=model, dtype=result.case.dtype,
+            device=result.device, extra={**extra, "tolerance_kind": tol.kind})
+        for metric, value, tol, ok in result.checks
+    ]

@@ -1,0 +1,43 @@
+"""`mrh parity` end to end: passes on the default model, exits 1 on a shipped wrong variant, and
+rejects bad input with one clear error before starting any rank."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+MRH = [shutil.which("mrh") or f"{sys.executable} -m harness.cli"][0].split()
+
+
+def _mrh(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*MRH, "parity", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_parity_passes_for_the_default_model_and_prints_json_rows():
+    done = _mrh("--model", "tiny-qwen3", "--layouts", "tp1,tp2", "--device", "cpu", "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout)
+    assert {r["layout"] for r in rows} == {"tp1", "tp2"} and all(r["passed"] for r in rows)
+    assert max(r["value"] for r in rows if r["metric"] == "max_abs") <= 1e-5
+    assert "[1/2]" in done.stderr and "[2/2]" in done.stderr, "progress lines expected on stderr"
+
+
+def test_parity_exits_1_on_a_negative_control():
+    done = _mrh("--layouts", "tp2", "--variant", "swapped-gate-up")
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "FAIL" in done.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--layouts", "tp3"], "tp=3 does not divide num_attention_heads=4"),
+    (["--model", "/no/such/model"], "not a zoo name"),
+    (["--layouts", "tp2", "--variant", "unsynced-tied-embedding"], "needs a tied-embedding model"),
+    (["--variant", "nope"], "unknown variant"),
+])
+def test_bad_input_is_one_clear_error_with_exit_2(args, message):
+    done = _mrh(*args)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert "[1/" not in done.stderr, "no layout may start before the input is validated"

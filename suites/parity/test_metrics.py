@@ -1,0 +1,183 @@
+"""Parity metrics on hand-computed inputs, and the tolerance table they are judged by."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from harness.parity.metrics import compare_logprobs, top1_agreement
+from harness.parity.tolerances import (
+    Tolerance,
+    all_tolerances,
+    check,
+    dtype_key,
+    table_markdown,
+    tolerance,
+)
+
+# Deltas 0.1, -0.2, 0.0 on the masked tokens; the unmasked one (5.0) must not count.
+REF = torch.tensor([[-1.0, -2.0, -3.0, -4.0]])
+CAND = torch.tensor([[-0.9, -2.2, -3.0, 1.0]])
+MASK = torch.tensor([[True, True, True, False]])
+
+
+def test_metrics_on_known_values():
+    got = compare_logprobs(REF, CAND, MASK)
+    # Deltas are float32 values converted to float64, hence the 1e-7 slack.
+    assert got["tokens"] == 3
+    assert got["max_abs"] == pytest.approx(0.2, abs=1e-7)
+    assert got["mean_abs"] == pytest.approx(0.1, abs=1e-7)
+    assert got["token_mult_prob_error"] == pytest.approx(
+        (math.exp(0.1) + math.exp(0.2) + 1.0) / 3, abs=1e-7)
+    k3 = lambda r: math.exp(r) - 1 - r  # noqa: E731
+    assert got["kl_k3"] == pytest.approx((k3(0.1) + k3(-0.2) + 0.0) / 3, abs=1e-7)
+
+
+def test_identical_inputs_are_perfect():
+    got = compare_logprobs(REF, REF.clone(), MASK)
+    assert (got["max_abs"], got["mean_abs"], got["token_mult_prob_error"], got["kl_k3"]) == \
+        (0.0, 0.0, 1.0, 0.0)
+
+
+def test_metrics_run_in_float64():
+    # A 1e-9 difference on top of -1 is invisible in float32 but must be measured.
+    ref = torch.tensor([-1.0], dtype=torch.float64)
+    cand = ref + 1e-9
+    got = compare_logprobs(ref, cand, torch.tensor([True]))
+    assert got["max_abs"] == pytest.approx(1e-9, rel=1e-6)
+    # k3 ~ r^2/2 = 5e-19: expm1 keeps it; exp(r) - 1 would round it to garbage.
+    assert got["kl_k3"] == pytest.approx(5e-19, rel=1e-3)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(-3, 3), min_size=1, max_size=20))
+def test_k3_is_nonnegative_and_tmpe_at_least_one(deltas):
+    cand = torch.tensor(deltas, dtype=torch.float64)
+    got = compare_logprobs(torch.zeros_like(cand), cand, torch.ones_like(cand, dtype=torch.bool))
+    assert got["kl_k3"] >= 0 and got["token_mult_prob_error"] >= 1
+    assert got["mean_abs"] <= got["max_abs"]
+
+
+def test_nan_propagates():
+    cand = CAND.clone()
+    cand[0, 1] = float("nan")
+    assert math.isnan(compare_logprobs(REF, cand, MASK)["max_abs"])
+    # ...but a NaN at an unmasked position is ignored.
+    cand = CAND.clone()
+    cand[0, 3] = float("nan")
+    assert not math.isnan(compare_logprobs(REF, cand, MASK)["max_abs"])
+
+
+def test_top1_agreement():
+    ref = torch.tensor([[5, 6, 7, -1], [1, 2, 3, -1]])
+    cand = torch.tensor([[5, 0, 7, 9], [1, 2, 3, -1]])
+    mask = torch.tensor([[True, True, True, False], [True, True, True, False]])
+    assert top1_agreement(ref, cand, mask) == pytest.approx(5 / 6)
+    assert top1_agreement(ref, ref, mask) == 1.0
+
+
+@pytest.mark.parametrize("args, message", [
+    ((REF, CAND[:, :3], MASK), "shape mismatch"),
+    ((REF, CAND, MASK[:, :3]), "shape mismatch"),
+    ((REF, CAND, MASK.long()), "bool"),
+    ((REF, CAND, MASK & False), "no tokens"),
+])
+def test_compare_rejects_bad_input(args, message):
+    with pytest.raises(ValueError, match=message):
+        compare_logprobs(*args)
+
+
+def test_top1_rejects_bad_input():
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        top1_agreement(ids, ids[:, :2], torch.ones(2, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="no tokens"):
+        top1_agreement(ids, ids, torch.zeros(2, 3, dtype=torch.bool))
+
+
+# ---- tolerance table -------------------------------------------------------------------------
+METRICS = ("max_abs", "mean_abs", "token_mult_prob_error", "kl_k3", "top1_agreement")
+
+
+def test_table_is_complete_and_every_entry_has_an_origin():
+    entries = all_tolerances()
+    expected = {(m, d) for m in METRICS for d in ("fp32", "bf16")}
+    assert {(t.metric, t.dtype) for t in entries} == expected
+    assert len(entries) == len(METRICS) * 2
+    for t in entries:
+        assert len(t.origin) > 30, f"{t.metric}/{t.dtype} needs an origin"
+        assert t.kind == ("min" if t.metric == "top1_agreement" else "max")
+
+
+def test_fp32_is_tighter_than_bf16():
+    for metric in METRICS:
+        fp32, bf16 = tolerance(metric, "fp32"), tolerance(metric, "bf16")
+        assert (fp32.limit < bf16.limit) if fp32.kind == "max" else (fp32.limit > bf16.limit)
+
+
+def test_derived_fp32_limits_are_consistent():
+    max_abs = tolerance("max_abs", "fp32").limit
+    # k3 ~ r^2/2 at the max_abs limit must pass the kl_k3 limit; tmpe at mean_abs must pass too.
+    assert math.expm1(max_abs) - max_abs <= tolerance("kl_k3", "fp32").limit
+    assert math.exp(tolerance("mean_abs", "fp32").limit) <= \
+        tolerance("token_mult_prob_error", "fp32").limit
+
+
+def test_dtype_keys():
+    assert dtype_key(torch.float32) == dtype_key("float32") == "fp32"
+    assert dtype_key(torch.bfloat16) == dtype_key("bf16") == "bf16"
+    assert tolerance("max_abs", torch.bfloat16) is tolerance("max_abs", "bf16")
+    with pytest.raises(ValueError, match="fp32 and bf16"):
+        dtype_key(torch.float16)
+    with pytest.raises(KeyError, match="tokens"):
+        tolerance("tokens", "fp32")
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_check_passes_at_the_boundary_and_fails_past_it(dtype):
+    at_limit = {t.metric: t.limit for t in all_tolerances() if t.dtype == dtype}
+    results = check({**at_limit, "tokens": 95}, dtype)
+    assert [r.metric for r in results] == list(METRICS)  # "tokens" has no bound: skipped
+    assert all(r.passed for r in results)
+    for metric, limit in at_limit.items():
+        kind = tolerance(metric, dtype).kind
+        worse = math.nextafter(limit, math.inf if kind == "max" else -math.inf)
+        (result,) = check({metric: worse}, dtype)
+        assert not result.passed and result.value == worse
+        (nan,) = check({metric: float("nan")}, dtype)
+        assert not nan.passed
+
+
+def test_check_on_real_metrics():
+    metrics = compare_logprobs(REF, REF + 1e-6, MASK)
+    assert all(r.passed for r in check(metrics, torch.float32))
+    # |delta| up to 0.03: bf16-acceptable (k3 ~ 3e-4), far outside fp32.
+    metrics = compare_logprobs(REF, REF + torch.tensor([[0.03, -0.03, 0.01, 9.0]]), MASK)
+    assert not any(r.passed for r in check(metrics, "fp32"))
+    assert all(r.passed for r in check(metrics, "bf16"))
+    # One outlier of 0.1 in three tokens passes bf16's max/mean/tmpe bounds (mean 0.033, tmpe
+    # 1.035) but not its kl_k3 limit (k3 = 1.7e-3): the k3 bound is the stricter one.
+    outlier = compare_logprobs(REF, REF + torch.tensor([[0.1, 0.0, 0.0, 9.0]]), MASK)
+    failed = [r.metric for r in check(outlier, "bf16") if not r.passed]
+    assert failed == ["kl_k3"]
+
+
+def test_tolerance_passes_by_kind():
+    assert Tolerance("m", "fp32", 1.0, "max", "x").passes(1.0)
+    assert not Tolerance("m", "fp32", 1.0, "max", "x").passes(1.5)
+    assert Tolerance("m", "fp32", 0.9, "min", "x").passes(0.9)
+    assert not Tolerance("m", "fp32", 0.9, "min", "x").passes(0.5)
+
+
+def test_table_markdown_lists_every_entry_with_origin():
+    text = table_markdown()
+    lines = text.splitlines()
+    assert lines[0].startswith("| dtype | metric | bound | origin |")
+    assert len(lines) == 2 + len(all_tolerances())
+    for t in all_tolerances():
+        origin = t.origin.replace("|", r"\|")
+        assert any(f"| {t.dtype} | {t.metric} |" in line and origin in line for line in lines)
+    assert "<= 1e-05" in text and ">= 0.9" in text
