@@ -6,10 +6,14 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 name=$1; shift
 out=${OUT:-reports/gpu}
 python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl || exit 1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>/dev/null || exit 1
 start=$(date -u +%FT%TZ); t0=$(date +%s)
-python3 -m pytest "$@" -ra -p no:cacheprovider --junitxml="$out/$name.junit.xml" 2>&1 | tee "$out/$name.log"
+# RUN_TIMEOUT: stop with SIGINT, so pytest still writes its JUnit file and summary.
+timeout -s INT "${RUN_TIMEOUT:-3600}" python3 -m pytest "$@" -ra -p no:cacheprovider \
+  --junitxml="$out/$name.junit.xml" 2>&1 | tee "$out/$name.log"
 rc=${PIPESTATUS[0]}
 python3 ci/gpu_report.py --name "$name" --junit "$out/$name.junit.xml" --log "$out/$name.log" \
-  --started "$start" --wall-s $(( $(date +%s) - t0 )) --command "pytest $*" --out "$out" || rc=1
+  ${ROWS_DIR:+--rows-dir "$ROWS_DIR"} --started "$start" --wall-s $(( $(date +%s) - t0 )) --out "$out" \
+  --command "MRH_KEEP_NCCL_GROUPS=${MRH_KEEP_NCCL_GROUPS:-0} pytest $*" || rc=1
+rm -f "$out/$name.junit.xml"  # summarized in $name.json; keeps the files that come back few
 exit $rc

@@ -49,16 +49,48 @@ def cases(junit: Path) -> list[dict]:
     return rows
 
 
+def _metric_rows(rows_dir: str | None) -> list[dict]:
+    if not rows_dir:
+        return []
+    found = []
+    for path in sorted(Path(rows_dir).glob("*/results.json")):
+        found += json.loads(path.read_text())["rows"]
+    return found
+
+
+def _metric_table(rows: list[dict]) -> list[str]:
+    """One line per comparison (model, layout, dtype, variant): its metrics and verdict."""
+    if not rows:
+        return []
+    groups: dict[tuple, dict] = {}
+    for row in rows:
+        extra = row.get("extra") or {}
+        key = (row["model"], row["dtype"], row["layout"], extra.get("variant") or "", extra.get("packing") or "", row["test"])
+        groups.setdefault(key, {})[row["metric"]] = (row["value"], row["passed"])
+    lines = ["", "## Comparisons", "", "| model | dtype | layout | variant / packing | max abs | mean abs | "
+             "token_mult_prob_error | top-1 | all pass |", "|---|---|---|---|---|---|---|---|---|"]
+    for (model, dtype, layout, variant, packing, _), metrics in sorted(groups.items()):
+        value = lambda m: f"{metrics[m][0]:.3g}" if m in metrics else ""
+        verdict = all(ok for _, ok in metrics.values())
+        lines.append(f"| {model} | {dtype} | {layout} | {variant or packing} | {value('max_abs')} | "
+                     f"{value('mean_abs')} | {value('token_mult_prob_error')} | {value('top1_agreement')} | "
+                     f"{'yes' if verdict else 'NO'} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     for flag in ("--name", "--junit", "--log", "--started", "--command", "--out"):
         parser.add_argument(flag, required=True)
     parser.add_argument("--wall-s", type=float, required=True)
+    parser.add_argument("--rows-dir", help="a --mrh-report-dir: its results.json rows are embedded")
     args = parser.parse_args()
     rows = cases(Path(args.junit))
+    metric_rows = _metric_rows(args.rows_dir)
     counts = {k: sum(r["outcome"] == k for r in rows) for k in ("passed", "failed", "error", "skipped")}
     report = {"name": args.name, "command": args.command, "started": args.started,
-              "wall_s": args.wall_s, "counts": counts, "environment": environment(), "tests": rows}
+              "wall_s": args.wall_s, "counts": counts, "environment": environment(), "tests": rows,
+              "rows": metric_rows}
     out = Path(args.out)
     (out / f"{args.name}.json").write_text(json.dumps(report, indent=2))
     env = report["environment"]
@@ -70,6 +102,7 @@ def main() -> None:
              "| test | outcome | time (s) | detail |", "|---|---|---|---|"]
     lines += [f"| `{r['test']}` | {r['outcome']} | {r['time_s']:.2f} | {r['detail'].replace('|', '/')} |"
               for r in sorted(rows, key=lambda r: (r["outcome"] == "passed", r["test"]))]
+    lines += _metric_table(metric_rows)
     (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print(f"report: {out / (args.name + '.json')} and .md; {counts}")
 

@@ -6,6 +6,7 @@ initialize the requested layout; destroy again on exit so the next test starts c
 from __future__ import annotations
 
 import functools
+import os
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -41,7 +42,18 @@ def model_parallel(layout: Layout | str, seed: int = DEFAULT_SEED) -> Iterator[L
         # Megatron only drops its references; c10d keeps every group (and gloo its threads, NCCL
         # its communicators) alive. Without this a persistent world gains ~40 groups per switch.
         for group in _process_groups() - existing:
-            dist.destroy_process_group(group)
+            if _should_destroy(group):
+                dist.destroy_process_group(group)
+
+
+def _should_destroy(group) -> bool:
+    """Gloo-only groups always; groups with an NCCL backend unless MRH_KEEP_NCCL_GROUPS=1
+    (shutting an NCCL group down can cost a second: a layout creates ~20 of them)."""
+    import torch.distributed as dist
+
+    if os.environ.get("MRH_KEEP_NCCL_GROUPS") == "1":
+        return "nccl" not in str(dist.get_backend(group))
+    return True
 
 
 def _process_groups() -> set:
