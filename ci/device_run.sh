@@ -14,6 +14,6 @@ timeout -s INT "${RUN_TIMEOUT:-3600}" python3 -m pytest "$@" -ra -p no:cacheprov
 rc=${PIPESTATUS[0]}
 python3 ci/gpu_report.py --name "$name" --junit "$out/$name.junit.xml" --log "$out/$name.log" \
   ${ROWS_DIR:+--rows-dir "$ROWS_DIR"} --started "$start" --wall-s $(( $(date +%s) - t0 )) --out "$out" \
-  --command "MRH_KEEP_NCCL_GROUPS=${MRH_KEEP_NCCL_GROUPS:-0} pytest $*" || rc=1
+  --command "pytest $*" || rc=1
 rm -f "$out/$name.junit.xml"  # summarized in $name.json; keeps the files that come back few
 exit $rc

@@ -57,3 +57,20 @@ def test_heads_not_divisible_by_tp_is_rejected(world):
     spec = ProbeSpec(num_attention_heads=3, num_query_groups=3, hidden_size=48)
     with pytest.raises(LayoutError, match="num_attention_heads=3"):
         run_in_layout(world, "tp2", _parallel_sizes, model=spec)
+
+
+def _group_count(layout) -> int:
+    from torch.distributed import distributed_c10d
+
+    return len(distributed_c10d._world.pg_map)
+
+
+def test_revisiting_a_layout_reuses_its_process_groups(world):
+    """Groups are created on a layout's first use only: a long session must not accumulate them
+    (on 4x H200, re-creating them per switch ended in an NCCL error after ~100 switches)."""
+    for name in ("tp2", "pp2", "tp1"):
+        run_in_layout(world, name, _group_count)
+    settled = run_in_layout(world, "tp2", _group_count)
+    for name in ("pp2", "tp1", "tp2", "pp2"):
+        run_in_layout(world, name, _group_count)
+    assert run_in_layout(world, "tp2", _group_count) == settled
