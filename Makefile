@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-gpu parity bench clean
+.PHONY: setup test test-gpu parity bench compare clean
 
 setup:
 	@$(PYTHON) -c 'import sys; v = sys.version_info[:2]; assert (3, 11) <= v <= (3, 12), f"Python 3.11 or 3.12 needed, found {v}"'
@@ -28,6 +28,10 @@ parity:
 
 bench:
 	$(BIN)/mrh bench world --ranks 2 --device cpu
+
+# The newest run against the committed CPU baseline (nightly regression check).
+compare:
+	$(BIN)/mrh report compare reports/baselines/cpu "$$(ls -td reports/runs/*/ | head -1)" --markdown reports/runs/compare.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

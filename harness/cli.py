@@ -22,6 +22,12 @@ def _parser() -> argparse.ArgumentParser:
     parity = commands.add_parser("parity", help="HF vs Megatron logprob parity over layouts")
     parity_arguments(parity)
     parity.set_defaults(handler="harness.parity.cli:main")
+
+    from harness.report.cli import add_arguments as report_arguments
+
+    report = commands.add_parser("report", help="compare runs against a baseline, plot trends, render")
+    report_arguments(report)
+    report.set_defaults(handler="harness.report.cli:main")
     return parser
 
 

@@ -20,6 +20,8 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
+from harness.report import buffer as report_buffer
+
 STACK_SIGNAL = signal.SIGUSR1
 # Variables every CUDA rank must see: NVLink multicast can take a shared host's GPUs out of service.
 CUDA_SAFETY_ENV = {
@@ -187,7 +189,7 @@ def _serve(spec: RankSpec, conn: Connection) -> None:
             reply = (call_id, "error", error_payload, tb)
         sys.stdout.flush()
         sys.stderr.flush()
-        conn.send((*reply, _read_from(spec.log_path, offset)))
+        conn.send((*reply, _read_from(spec.log_path, offset), report_buffer.drain()))
 
 
 def rank_main(spec: RankSpec, conn: Connection) -> None:
@@ -203,10 +205,10 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
     try:
         _init_process_group(spec)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent as a start failure
-        conn.send(("start", "error", *_encode_error(exc), ""))
+        conn.send(("start", "error", *_encode_error(exc), "", []))
         return
     _context = RankContext(spec.rank, spec.world_size, spec.device, spec.workdir)
-    conn.send(("start", "ok", None, None, ""))
+    conn.send(("start", "ok", None, None, "", []))
     try:
         _serve(spec, conn)
     except EOFError:  # the parent is gone: take down anything this rank started, then itself

@@ -30,6 +30,7 @@ from harness.launch.errors import (
     WorldStartError,
     WorldTimeout,
 )
+from harness.report import buffer as report_buffer
 from harness.launch.rank import STACK_SIGNAL, RankSpec, _read_from, rank_main
 
 DEVICES = ("cpu", "cuda")
@@ -210,10 +211,11 @@ class World:
                 pending.discard(rank)
                 reply = self._receive(rank)
                 if reply is not None:
-                    reply_id, status, payload, tb, output = reply
+                    reply_id, status, payload, tb, output, rows = reply
                     if reply_id != call_id:
                         raise WorldError(f"rank {rank} answered call {reply_id!r}, expected {call_id!r}")
                     self._echo(rank, output)
+                    report_buffer.extend([{**row, "rank": rank} for row in rows])
                     if status == "ok":
                         results[rank] = payload
                         continue

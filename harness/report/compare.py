@@ -1,0 +1,247 @@
+"""Compare two runs row by row: what regressed, what improved, what appeared, what vanished.
+
+Rows are joined on ROW KEY = (suite, test, layout, model, dtype, device, metric, variant, packing,
+occurrence):
+  - `test` is the pytest nodeid with its parametrization (`...::test_x[cuda-tp2-tiny-qwen3-fp32]`);
+  - `variant` and `packing` come from the row's `extra` ("" when absent), because one test may
+    record the same metric once per variant or packing;
+  - `occurrence` (1, 2, ...) numbers rows whose other fields are all equal, in recording order,
+    so a test that records a metric twice is compared pairwise instead of silently collapsed.
+
+Each joined pair is judged by the metric's rule (rules.py): a REGRESSION when the current value is
+worse than the baseline by more than the rule allows in the rule's bad direction ("equal" metrics:
+any change beyond the allowance), or when the row's `passed` went True -> False, or (test level)
+when a test that passed in the baseline failed, errored or did not finish. IMPROVEMENTS are the
+mirror image (and passed False -> True). Rows only in the current run are NEW, rows only in the
+baseline are MISSING: both are listed in full and never dropped; they do not by themselves count
+as a regression (a subset run is legitimate), but a test that crashed shows as a test regression.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.report.rows import atomic_write
+from harness.report.render import (FAILING_OUTCOMES, Table, blocks_to_markdown,
+                                   fmt_value, load_run, normalise_run)
+from harness.report.rules import Rule, rule_for
+
+KEY_FIELDS = ("suite", "test", "layout", "model", "dtype", "device", "metric")
+EXTRA_KEY_FIELDS = ("variant", "packing")
+Key = tuple[Any, ...]
+
+
+def row_key(row: dict[str, Any]) -> Key:
+    """The join key without the occurrence number (see module docstring)."""
+    extra = row.get("extra") or {}
+    return (tuple(str(row.get(f) or "") for f in KEY_FIELDS)
+            + tuple("" if extra.get(k) is None else str(extra[k]) for k in EXTRA_KEY_FIELDS))
+
+
+def index_rows(rows: list[dict[str, Any]]) -> dict[Key, dict[str, Any]]:
+    """key + (occurrence,) -> row, for every row: duplicates get occurrence 2, 3, ..."""
+    seen: dict[Key, int] = {}
+    indexed: dict[Key, dict[str, Any]] = {}
+    for row in rows:
+        key = row_key(row)
+        seen[key] = seen.get(key, 0) + 1
+        indexed[key + (seen[key],)] = row
+    return indexed
+
+
+@dataclass
+class Change:
+    """One joined row whose verdict is not "same"."""
+
+    key: Key
+    baseline: dict[str, Any]
+    current: dict[str, Any]
+    rule: Rule
+    delta: float
+    reasons: list[str]
+
+
+@dataclass
+class TestChange:
+    nodeid: str
+    before: str
+    after: str
+    message: str = ""
+
+
+@dataclass
+class CompareResult:
+    baseline_source: str
+    current_source: str
+    regressions: list[Change] = field(default_factory=list)
+    improvements: list[Change] = field(default_factory=list)
+    tests_regressed: list[TestChange] = field(default_factory=list)
+    new: list[dict[str, Any]] = field(default_factory=list)
+    missing: list[dict[str, Any]] = field(default_factory=list)
+    unchanged: int = 0
+
+    @property
+    def regressed(self) -> bool:
+        return bool(self.regressions or self.tests_regressed)
+
+    def headline(self) -> str:
+        verdict = "REGRESSED" if self.regressed else "no regression"
+        return (f"**{verdict}**: {len(self.regressions)} rows regressed, {len(self.tests_regressed)} "
+                f"tests stopped passing, {len(self.improvements)} rows improved, {self.unchanged} "
+                f"unchanged, {len(self.new)} new rows (only in current), {len(self.missing)} "
+                f"missing rows (only in baseline).")
+
+    def to_markdown(self, max_rows: int | None = None) -> str:
+        """Regressions first, then tests that stopped passing, improvements, new and missing rows.
+        Every item is listed unless `max_rows` caps each table (the cut is then counted, e.g. for
+        a GitHub step summary, which must stay under 1 MiB)."""
+        blocks: list[tuple[str, Any]] = [
+            ("h2", "Compare runs"),
+            ("p", f"Baseline `{self.baseline_source}` vs current `{self.current_source}`."),
+            ("p", self.headline())]
+        sections = (("Regressions", self.regressions, _change_table),
+                    ("Tests that stopped passing", self.tests_regressed, _test_table),
+                    ("Improvements", self.improvements, _change_table),
+                    ("New rows (only in current)", self.new, _row_table),
+                    ("Missing rows (only in baseline)", self.missing, _row_table))
+        for title, items, table in sections:
+            if items:
+                shown = table(items)
+                if max_rows is not None and len(shown.rows) > max_rows:
+                    shown.more, shown.rows = len(shown.rows) - max_rows, shown.rows[:max_rows]
+                    shown.more_hint = "run `compare` without a cap to list them"
+                blocks += [("h3", f"{title} ({len(items)})"), ("table", shown)]
+        return blocks_to_markdown(blocks)
+
+
+def _key_cells(row: dict[str, Any]) -> list[str]:
+    extra = row.get("extra") or {}
+    variant = "/".join(str(extra[k]) for k in EXTRA_KEY_FIELDS if extra.get(k) is not None)
+    return [row.get("test", ""), row.get("metric", ""), row.get("layout", ""), row.get("model", ""),
+            row.get("dtype", ""), row.get("device", ""), variant]
+
+
+_KEY_COLUMNS = ["test", "metric", "layout", "model", "dtype", "device", "variant/packing"]
+
+
+def _change_table(changes: list[Change]) -> Table:
+    rows = [_key_cells(c.current) + [fmt_value(c.baseline.get("value")), fmt_value(c.current.get("value")),
+                                     fmt_value(c.delta), "; ".join(c.reasons)]
+            for c in changes]
+    return Table(_KEY_COLUMNS + ["baseline", "current", "Δ", "why"], rows)
+
+
+def _test_table(changes: list[TestChange]) -> Table:
+    return Table(["test", "baseline", "current", "message"],
+                 [[c.nodeid, c.before, c.after, c.message] for c in changes])
+
+
+def _row_table(rows: list[dict[str, Any]]) -> Table:
+    return Table(_KEY_COLUMNS + ["value", "tolerance", "passed"],
+                 [_key_cells(r) + [fmt_value(r.get("value")), fmt_value(r.get("tolerance")),
+                                   fmt_value(bool(r.get("passed")))] for r in rows])
+
+
+def _float(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def judge(baseline: dict[str, Any], current: dict[str, Any]) -> tuple[str, float, list[str], Rule]:
+    """("regression" | "improvement" | "same", current - baseline, reasons, rule) for one pair."""
+    rule = rule_for(str(current.get("metric", "")))
+    b, c = _float(baseline.get("value")), _float(current.get("value"))
+    delta = c - b if not (math.isnan(b) or math.isnan(c)) else math.nan
+    worse: list[str] = []
+    better: list[str] = []
+    if baseline.get("passed") and not current.get("passed"):
+        worse.append(f"passed → failed (tolerance {fmt_value(current.get('tolerance'))})")
+    elif not baseline.get("passed") and current.get("passed"):
+        better.append("failed → passed")
+    if b == c or (math.isnan(b) and math.isnan(c)):
+        pass
+    elif math.isnan(c):
+        worse.append("became NaN")
+    elif math.isnan(b):
+        (worse if rule.direction == "equal" else better).append("was NaN")
+    else:
+        allowed = rule.allowed(b)
+        bad = {"lower_is_better": delta, "higher_is_better": -delta}.get(rule.direction, abs(delta))
+        limit = f"allowed {fmt_value(allowed)} ({rule.kind} {rule.tolerance:g}, {rule.direction})"
+        if bad > allowed:
+            word = "changed" if rule.direction == "equal" else "worse"
+            worse.append(f"{word} by {fmt_value(abs(delta))} > {limit}")
+        elif rule.direction != "equal" and -bad > allowed:
+            better.append(f"better by {fmt_value(abs(delta))} > {limit}")
+    verdict = "regression" if worse else "improvement" if better else "same"
+    return verdict, delta, worse or better, rule
+
+
+def _as_run(run: dict[str, Any] | str | os.PathLike, role: str) -> dict[str, Any]:
+    if isinstance(run, dict):
+        return normalise_run(run, source=str(run.get("source") or f"<{role} dict>"))
+    return load_run(run)
+
+
+def compare_runs(baseline: dict[str, Any] | str | os.PathLike,
+                 current: dict[str, Any] | str | os.PathLike) -> CompareResult:
+    """Compare two runs (loaded documents, run directories or results.json paths); see module doc."""
+    base, cur = _as_run(baseline, "baseline"), _as_run(current, "current")
+    result = CompareResult(base["source"], cur["source"])
+    base_rows, cur_rows = index_rows(base["rows"]), index_rows(cur["rows"])
+    for key, row in cur_rows.items():
+        if key not in base_rows:
+            result.new.append(row)
+            continue
+        verdict, delta, reasons, rule = judge(base_rows[key], row)
+        if verdict == "same":
+            result.unchanged += 1
+        else:
+            change = Change(key, base_rows[key], row, rule, delta, reasons)
+            (result.regressions if verdict == "regression" else result.improvements).append(change)
+    result.missing = [row for key, row in base_rows.items() if key not in cur_rows]
+    before = {t.get("nodeid"): t for t in base["tests"]}
+    for test in cur["tests"]:
+        old = before.get(test.get("nodeid"))
+        if old and old.get("outcome") == "passed" and test.get("outcome") in FAILING_OUTCOMES:
+            result.tests_regressed.append(TestChange(test["nodeid"], "passed", test["outcome"],
+                                                     " ".join(str(test.get("message") or "").split())[:240]))
+    return result
+
+
+def main_compare(argv: list[str] | None = None) -> int:
+    """`compare BASELINE CURRENT [--markdown PATH]`: exit 1 on regression, 2 on unreadable input."""
+    parser = argparse.ArgumentParser(prog="mrh compare", description=__doc__.split("\n\n")[0])
+    parser.add_argument("baseline", help="baseline run directory or results.json")
+    parser.add_argument("current", help="current run directory or results.json")
+    parser.add_argument("--markdown", metavar="PATH", help="also write the Markdown report here")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse exits 2 on usage errors: return it, as the docstring says
+        return int(e.code or 0)
+    runs = {}
+    for role in ("baseline", "current"):
+        try:
+            runs[role] = load_run(getattr(args, role))
+        except ValueError as e:
+            print(f"mrh compare: cannot read the {role} run: {e}", file=sys.stderr)
+            return 2
+    result = compare_runs(runs["baseline"], runs["current"])
+    text = result.to_markdown()
+    print(text)
+    if args.markdown:
+        path = Path(args.markdown)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, text)
+    return 1 if result.regressed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main_compare())

@@ -1,0 +1,122 @@
+"""What a run ran on: package versions, CUDA, GPUs, commit, host.
+
+A report row means little without the stack that produced it (a parity number on megatron-core
+0.16 says nothing about 0.17), so every run stores this fingerprint next to its rows.
+
+Fast (well under a second) and never raises: it is called at the start of every pytest session,
+and a broken `git` or `nvidia-smi` must not cost the run. Anything that cannot be found is None.
+It deliberately does not `import torch` (that alone takes > 1 s) and never creates a CUDA context
+(that would pin GPU memory in the pytest parent, which only coordinates the rank processes).
+"""
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from importlib import metadata, util
+from typing import Any
+
+# Distribution names as pip knows them; the fingerprint key is the first name.
+PACKAGES: dict[str, tuple[str, ...]] = {
+    "torch": ("torch",),
+    "megatron-core": ("megatron-core",),
+    "mbridge": ("mbridge",),
+    # TE ships under several distribution names depending on the CUDA major version.
+    "transformer-engine": ("transformer-engine", "transformer-engine-cu12", "transformer-engine-cu13"),
+    "transformers": ("transformers",),
+}
+_TIMEOUT_S = 3.0
+
+
+def environment_fingerprint(device: str | None = None) -> dict[str, Any]:
+    """The environment of this process as a flat JSON-able dict (see module docstring).
+
+    Keys: python, torch, megatron-core, mbridge, transformer-engine, transformers, cuda (the CUDA
+    runtime torch was built with), driver, gpus (model of every GPU nvidia-smi sees), gpu_model,
+    gpu_count (GPUs this process may use), cuda_visible_devices, device, git_commit, host, platform.
+    """
+    fingerprint: dict[str, Any] = {"python": platform.python_version()}
+    for key, names in PACKAGES.items():
+        fingerprint[key] = _safe(lambda names=names: _version(names))
+    gpus, driver = _safe(_nvidia_smi) or ([], None)
+    fingerprint.update(
+        cuda=_safe(_torch_cuda_version),
+        driver=driver,
+        gpus=gpus,
+        gpu_model=gpus[0] if gpus else None,
+        gpu_count=_safe(lambda: _gpu_count(len(gpus))) or 0,
+        cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        device=device,
+        git_commit=_safe(_git_commit),
+        host=_safe(socket.gethostname),
+        platform=_safe(platform.platform),
+    )
+    return fingerprint
+
+
+def _safe(fn):
+    """Call fn; any failure becomes None, because a fingerprint field must never fail a run."""
+    try:
+        return fn()
+    except Exception:  # noqa: BLE001 - by design: missing information is None, not an error
+        return None
+
+
+def _version(names: tuple[str, ...]) -> str | None:
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _run(command: list[str]) -> str | None:
+    if shutil.which(command[0]) is None:
+        return None
+    done = subprocess.run(command, capture_output=True, text=True, timeout=_TIMEOUT_S,
+                          cwd=os.getcwd(), check=False)
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _nvidia_smi() -> tuple[list[str], str | None]:
+    """(GPU model per GPU, driver version); nvidia-smi reads NVML and creates no CUDA context."""
+    out = _run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"])
+    if not out:
+        return [], None
+    pairs = [[part.strip() for part in line.split(",")] for line in out.splitlines() if line.strip()]
+    return [p[0] for p in pairs], (pairs[0][1] if pairs and len(pairs[0]) > 1 else None)
+
+
+def _torch_cuda_version() -> str | None:
+    """torch.version.cuda, read from torch/version.py when torch is not imported yet (cheap)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return getattr(torch.version, "cuda", None)
+    spec = util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], "version.py")
+    with open(path, encoding="utf-8") as f:
+        match = re.search(r"^cuda\s*(?::[^=]*)?=\s*['\"]([^'\"]+)['\"]", f.read(), re.MULTILINE)
+    return match.group(1) if match else None
+
+
+def _gpu_count(seen_by_smi: int) -> int:
+    """GPUs this process may use: torch's count when torch is loaded (honours CUDA_VISIBLE_DEVICES;
+    device_count does not create a context), else what nvidia-smi sees."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        return torch.cuda.device_count()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and seen_by_smi:
+        return len([v for v in visible.split(",") if v.strip() and v.strip() != "-1"])
+    return seen_by_smi
+
+
+def _git_commit() -> str | None:
+    return _run(["git", "rev-parse", "HEAD"]) or None

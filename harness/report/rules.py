@@ -1,0 +1,87 @@
+"""How to compare one metric between two runs: THE table of per-metric rules.
+
+Every comparison (compare.py), every "worst value" in a summary (render.py) and every trend line
+(trend.py) takes its direction from this one table, so a metric cannot be "lower is better" in one
+report and "higher is better" in another. Add a metric's rule here, not in the callers.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Literal
+
+Kind = Literal["abs", "rel"]
+Direction = Literal["lower_is_better", "higher_is_better", "equal"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """`metric_pattern` is an fnmatch pattern (case-sensitive); the first matching rule wins.
+
+    The allowed change before a row counts as worse (or better) is `tolerance` itself (kind "abs")
+    or `tolerance * |baseline|` (kind "rel"), but never less than `floor`: a relative rule on a
+    value that is pure float noise (1e-7 → 3e-7 is "3x worse") would otherwise flag every run.
+    """
+
+    metric_pattern: str
+    kind: Kind
+    tolerance: float
+    direction: Direction
+    why: str
+    floor: float = 0.0
+
+    def allowed(self, baseline: float) -> float:
+        """The change from `baseline` this rule tolerates (in the metric's units)."""
+        span = self.tolerance if self.kind == "abs" else self.tolerance * abs(baseline)
+        return max(span if math.isfinite(span) else 0.0, self.floor)
+
+    def worst(self, values: list[float]) -> float:
+        """The worst of several values under this rule's direction (for summaries and trends)."""
+        finite = [v for v in values if v is not None]
+        if not finite:
+            return math.nan
+        if any(isinstance(v, float) and math.isnan(v) for v in finite):
+            return math.nan  # a NaN anywhere is the worst news there is
+        return min(finite) if self.direction == "higher_is_better" else max(finite)
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("max_abs", "rel", 0.5, "lower_is_better",
+         "logprob |Δ| vs HF: kernels and reduction order move it by tens of percent, a real bug "
+         "by orders of magnitude. fp32 values are whole ulps of a logprob (2^-19 = 1.9e-6 for "
+         "|logprob| in [4, 8)), so one ulp more doubles the value: the floor of 2 ulps keeps "
+         "that quiet (the fp32 tolerance, 1e-5, still catches real drift via `passed`)",
+         floor=4e-6),
+    Rule("mean_abs", "rel", 0.5, "lower_is_better",
+         "as max_abs, averaged over tokens: fp32 values are ~5e-7, noise ~1e-7 to 5e-7",
+         floor=1e-6),
+    Rule("kl_k3", "rel", 0.5, "lower_is_better",
+         "k3 KL estimate ~ mean(r^2)/2, so fp32 noise is ~1e-13..2e-12; the floor is a tenth of "
+         "the fp32 tolerance (1e-10)",
+         floor=1e-11),
+    Rule("token_mult_prob_error", "abs", 1e-3, "lower_is_better",
+         "mean exp(|Δ logprob|), a ratio near 1 (fp32 ~1+5e-7, bf16 ~1.01-1.02): absolute, "
+         "since a relative change of a number near 1 is the same thing"),
+    Rule("top1_agreement", "abs", 0.02, "higher_is_better",
+         "fraction of tokens whose argmax agrees; a drop of 2 points is one token in 50 flipping"),
+    # Memory before times: a name such as "peak_bytes" must not fall through to the time rule.
+    Rule("*bytes*", "rel", 0.05, "lower_is_better",
+         "allocator peaks are near-deterministic for fixed shapes; 5% is a real change"),
+    Rule("*gib*", "rel", 0.05, "lower_is_better", "as *bytes*, in GiB"),
+    Rule("*blocking_s*", "rel", 0.25, "lower_is_better",
+         "wall time the trainer is blocked; shared machines jitter ~10-20%", floor=1e-3),
+    Rule("*_s", "rel", 0.25, "lower_is_better",
+         "wall times in seconds; shared machines jitter ~10-20%; below 1 ms is timer noise",
+         floor=1e-3),
+    Rule("*", "rel", 1e-6, "equal",
+         "unknown metric: any change beyond float round-off is reported, in either direction"),
+)
+
+
+def rule_for(metric: str) -> Rule:
+    """The first rule of RULES whose pattern matches `metric` (the "*" fallback always does)."""
+    for rule in RULES:
+        if fnmatchcase(metric, rule.metric_pattern):
+            return rule
+    return RULES[-1]

@@ -1,0 +1,96 @@
+"""The run report as a whole session sees it: rows from every rank and every xdist worker reach one
+results.json with each test's outcome, and a run killed mid-way still leaves a readable report."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+INNER = '''
+import time, pytest
+from harness.report import record_row
+
+def _on_ranks(value):
+    import torch.distributed as dist
+    record_row("rank_value", value + dist.get_rank(), tolerance=None, passed=True, layout="dp2")
+    return dist.get_rank()
+
+@pytest.mark.world_size(2)
+def test_rows_from_ranks(world):
+    assert world.run(_on_ranks, 10) == [0, 1]
+
+def test_row_from_the_test_process(report):
+    report.add("local_value", 1.5, tolerance=2.0, passed=True, model="m")
+
+def test_fails():
+    assert False, "on purpose"
+'''
+
+
+def _results(report_dir: Path) -> dict:
+    runs = [p for p in report_dir.iterdir() if p.is_dir()]
+    assert len(runs) == 1, runs
+    return json.loads((runs[0] / "results.json").read_text())
+
+
+def test_rows_from_ranks_and_the_test_reach_results_with_outcomes(pytester):
+    pytester.makepyfile(test_inner=INNER)
+    reports = pytester.path / "reports"
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--mrh-devices=cpu",
+                                           f"--mrh-report-dir={reports}")
+    result.assert_outcomes(passed=2, failed=1)
+    document = _results(reports)
+    assert document["schema_version"] == 1 and document["meta"]["complete"] is True
+    rank_rows = sorted((r for r in document["rows"] if r["metric"] == "rank_value"), key=lambda r: r["extra"]["rank"])
+    assert [(r["value"], r["extra"]["rank"], r["outcome"]) for r in rank_rows] == [(10, 0, "passed"), (11, 1, "passed")]
+    assert rank_rows[0]["test"].endswith("test_rows_from_ranks[cpu]")
+    local = [r for r in document["rows"] if r["metric"] == "local_value"]
+    assert len(local) == 1 and local[0]["model"] == "m" and local[0]["suite"]
+    outcomes = {t["nodeid"].split("::")[1]: t["outcome"] for t in document["tests"]}
+    assert outcomes == {"test_rows_from_ranks[cpu]": "passed", "test_row_from_the_test_process": "passed",
+                        "test_fails": "failed"}
+
+
+def test_xdist_workers_are_merged_into_one_report(pytester):
+    pytester.makepyfile(test_inner=INNER)
+    reports = pytester.path / "reports"
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--mrh-devices=cpu", "-n", "2",
+                                           f"--mrh-report-dir={reports}")
+    result.assert_outcomes(passed=2, failed=1)
+    document = _results(reports)
+    metrics = sorted(r["metric"] for r in document["rows"])
+    assert metrics == ["local_value", "rank_value", "rank_value"]
+    assert {t["outcome"] for t in document["tests"]} == {"passed", "failed"} and len(document["tests"]) == 3
+    assert all(r["outcome"] == "passed" for r in document["rows"])
+
+
+def test_a_killed_run_leaves_a_readable_report_with_unfinished_tests(pytester):
+    pytester.makepyfile(test_inner='''
+        def test_first(report):
+            report.add("before_kill", 1.0, tolerance=None, passed=True)
+
+        def test_second():
+            import time
+            time.sleep(600)
+    ''')
+    reports = pytester.path / "reports"
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--mrh-report-dir={reports}"],
+                            cwd=pytester.path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            runs = list(reports.glob("*/results.json")) if reports.exists() else []
+            if runs and '"before_kill"' in runs[0].read_text():
+                break
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    document = _results(reports)
+    outcomes = {t["nodeid"].split("::")[1]: t["outcome"] for t in document["tests"]}
+    assert outcomes == {"test_first": "passed", "test_second": "unfinished"}
+    assert document["meta"]["complete"] is False
+    assert [r["metric"] for r in document["rows"]] == ["before_kill"]
