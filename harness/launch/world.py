@@ -328,6 +328,10 @@ def _kill_live_worlds() -> None:
 
 
 def _describe(fn: Callable[..., Any]) -> str:
+    """How failures name a call: `fn.mrh_name` when a wrapper set one, else the function's path."""
+    named = getattr(fn, "mrh_name", None)
+    if named:
+        return named
     inner = getattr(fn, "func", fn)  # functools.partial
     return f"{getattr(inner, '__module__', '?')}.{getattr(inner, '__qualname__', repr(inner))}"
 

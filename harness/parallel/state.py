@@ -95,4 +95,5 @@ def run_in_layout(world, layout: Layout | str, fn: Callable[..., Any], *args: An
     resolved = resolve(as_layout(layout), world.size)
     validate(resolved, world.size, model)
     call = functools.partial(_call_in_layout, resolved, seed, fn, args, kwargs)
+    call.mrh_name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)} under {resolved}"
     return world.run(call, timeout=timeout)
