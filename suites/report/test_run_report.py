@@ -94,3 +94,8 @@ def test_a_killed_run_leaves_a_readable_report_with_unfinished_tests(pytester):
     assert outcomes == {"test_first": "passed", "test_second": "unfinished"}
     assert document["meta"]["complete"] is False
     assert [r["metric"] for r in document["rows"]] == ["before_kill"]
+    # `mrh report render` turns what the killed run left into the usual summary.
+    from harness.report.render import render_run
+
+    summary = render_run(next(reports.iterdir()))["summary"].read_text()
+    assert "unfinished" in summary and "test_second" in summary
