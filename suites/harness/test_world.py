@@ -143,8 +143,8 @@ def test_unpicklable_function_and_result_are_clear_errors(world):
         world.run(_unpicklable_result)
 
 
-def test_close_leaves_no_rank_or_grandchild_process(device):
-    world = World(2, device)
+def test_close_leaves_no_rank_or_grandchild_process(fresh_world):
+    world = fresh_world(2)
     grandchildren = world.run(_start_grandchild)
     ranks = world.pids
     world.close()
