@@ -36,18 +36,28 @@ from harness.training.rl_data import RLTrainBatch
 DecayStyle = Literal["constant", "cosine"]
 
 
-def policy_logprobs(model: nn.Module, train_batch: RLTrainBatch) -> torch.Tensor:
+def policy_logprobs(model: nn.Module, train_batch: RLTrainBatch, *,
+                    batch_invariant: bool = True) -> torch.Tensor:
     """Differentiable float32 [B, S] logprobs of the batch's tokens (the project convention).
 
     Same forward as the parity reference `harness.logprobs.hf.hf_token_outputs` (attention_mask
     and position_ids from the batch) but with autograd on: that one runs under no_grad.
+
+    batch_invariant (default): one forward per row. A batched fp32 forward is not bit-identical
+    across batch sizes (kernels block the matmuls differently; ~1e-6 on logprobs), which would
+    make the reference's loss depend on the micro-batch split by more than rounding of the final
+    sums. Row by row, a row's logprobs are the same bits in every split, so micro_batches=1, 2, 4
+    differ only in summation order (~1e-7). False: one forward for the whole part (faster).
     """
     device = next(model.parameters()).device
     batch = train_batch.batch.to(device)
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask.long(),
-                   position_ids=batch.position_ids(), use_cache=False).logits
-    logprobs, _ = shifted_token_outputs(logits, batch.input_ids, batch.logprob_mask())
-    return logprobs
+    rows = batch.split(batch.batch_size) if batch_invariant else [batch]
+    out = []
+    for part in rows:
+        logits = model(input_ids=part.input_ids, attention_mask=part.attention_mask.long(),
+                       position_ids=part.position_ids(), use_cache=False).logits
+        out.append(shifted_token_outputs(logits, part.input_ids, part.logprob_mask())[0])
+    return torch.cat(out)
 
 
 def megatron_lr_lambda(warmup_steps: int, decay_style: DecayStyle, decay_steps: int | None,
@@ -89,6 +99,9 @@ class GroundTruthTrainer:
     """Single-process RL trainer: one `step` = forward/backward over micro-batches, clip, AdamW.
 
     loss_kwargs go to `rl_loss` (clip_eps, clip_eps_high, kl_coef, aggregation).
+    total_steps is Megatron's lr_decay_steps (needed for decay_style="cosine"); min_lr its min_lr.
+    batch_invariant: run rows one at a time so that micro_batches changes nothing, bit for bit
+    (see `_micro_losses`); False for true batched gradient accumulation.
     """
 
     def __init__(self, model: nn.Module, *, lr: float = 1e-3,
@@ -96,12 +109,13 @@ class GroundTruthTrainer:
                  weight_decay: float = 0.0, clip_grad: float | None = 1.0,
                  warmup_steps: int = 0, decay_style: DecayStyle = "constant",
                  total_steps: int | None = None, min_lr: float = 0.0,
-                 **loss_kwargs: Any) -> None:
+                 batch_invariant: bool = True, **loss_kwargs: Any) -> None:
         for p in model.parameters():
             if p.requires_grad and p.dtype != torch.float32:
                 raise ValueError(f"the ground truth trains in fp32; got a {p.dtype} parameter")
         self.model = model
         self.clip_grad = clip_grad
+        self.batch_invariant = batch_invariant
         self.loss_kwargs = loss_kwargs
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(_param_groups(model, weight_decay), lr=lr,
@@ -118,18 +132,32 @@ class GroundTruthTrainer:
 
     def _micro_losses(self, train_batch: RLTrainBatch, micro_batches: int, backward: bool
                       ) -> tuple[float, list[dict[str, float]]]:
+        """Forward (and backward) every micro-batch, each loss normalised by the global counts.
+
+        batch_invariant: each micro-batch is further run one row at a time, forward *and*
+        backward, so the gradient is accumulated row by row in the same order whatever the split:
+        micro_batches then changes nothing, bit for bit (the reference is unique). Otherwise one
+        forward/backward per micro-batch: true gradient accumulation, equal across splits to
+        fp32 rounding (~1e-6; batched kernels round differently per batch size).
+        """
         tokens, seqs = loss_counts(train_batch)
         total = 0.0
         stats: list[dict[str, float]] = []
         for part in train_batch.split(micro_batches):
-            loss, part_stats = rl_loss(policy_logprobs(self.model, part), part,
-                                       global_token_count=tokens, global_seq_count=seqs,
-                                       **self.loss_kwargs)
-            if backward:
-                loss.backward()
-            total += float(loss.detach())
-            stats.append({"loss": float(loss.detach()),
-                          **{k: float(v) for k, v in part_stats.items()}})
+            chunks = part.split(part.batch_size) if self.batch_invariant else [part]
+            part_loss = 0.0
+            part_stats: dict[str, float] = {}
+            for chunk in chunks:
+                logprobs = policy_logprobs(self.model, chunk, batch_invariant=False)
+                loss, chunk_stats = rl_loss(logprobs, chunk, global_token_count=tokens,
+                                            global_seq_count=seqs, **self.loss_kwargs)
+                if backward:
+                    loss.backward()
+                part_loss += float(loss.detach())
+                for k, v in chunk_stats.items():
+                    part_stats[k] = part_stats.get(k, 0.0) + float(v)
+            total += part_loss
+            stats.append({"loss": part_loss, **part_stats})
         return total, stats
 
     def evaluate(self, train_batch: RLTrainBatch, micro_batches: int = 1) -> dict[str, Any]:

@@ -1,0 +1,168 @@
+"""The single-process ground-truth trainer and the training batch it consumes.
+
+Gradient accumulation must be invisible: 1, 2 or 4 micro-batches give the same loss, grad norm
+and updated weights (the loss is normalised by global counts). A step must actually train, the
+LR schedule must be Megatron's, and the batch must not depend on how it is split.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from harness.logprobs import hf_logprobs
+from harness.models import TINY_VOCAB_SIZE, build_hf_model
+from harness.training import (
+    AGGREGATIONS,
+    GroundTruthTrainer,
+    concat_train_batches,
+    make_rl_train_batch,
+    megatron_lr_lambda,
+    policy_logprobs,
+)
+
+PROMPTS = [5, 3, 7, 1, 10, 2, 12, 4]
+RESPONSES = [19, 9, 10, 23, 4, 13, 1, 16]
+
+
+def _train_batch(seed=0, **kwargs):
+    return make_rl_train_batch(TINY_VOCAB_SIZE, batch_size=8, seed=seed, prompt_lengths=PROMPTS,
+                               response_lengths=RESPONSES, **kwargs)
+
+
+def _fields(tb):
+    return [tb.batch.input_ids, tb.batch.attention_mask, tb.batch.response_mask,
+            tb.advantages, tb.old_logprobs, tb.ref_logprobs]
+
+
+# ---- the batch --------------------------------------------------------------------------------
+def test_batch_is_deterministic_and_well_formed():
+    tb = _train_batch()
+    for a, b in zip(_fields(tb), _fields(_train_batch())):
+        assert torch.equal(a, b)
+    assert not torch.equal(tb.advantages, _train_batch(seed=1).advantages)
+    assert set(tb.batch.padding_sides()) == {"left", "right", "none"}
+    mask = tb.loss_mask()
+    for name in ("advantages", "old_logprobs", "ref_logprobs"):
+        value = getattr(tb, name)
+        assert value.dtype == torch.float32
+        assert bool((value[~mask] == 0).all()), name
+    assert bool((tb.old_logprobs[mask] < 0).all()) and bool((tb.ref_logprobs[mask] < 0).all())
+    assert not torch.equal(tb.old_logprobs, tb.ref_logprobs)
+    for row in range(tb.batch_size):  # one advantage per sequence
+        assert tb.advantages[row][mask[row]].unique().numel() == 1
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_batch_is_identical_however_split(n):
+    tb = _train_batch()
+    parts = tb.split(n)
+    assert len(parts) == n and all(p.batch_size == 8 // n for p in parts)
+    for a, b in zip(_fields(concat_train_batches(parts)), _fields(tb)):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError):
+        tb.split(3)
+
+
+# ---- the trainer ------------------------------------------------------------------------------
+def _run(micro_batches, steps=2, aggregation="token-mean", batch_invariant=True):
+    model = build_hf_model("tiny-qwen3", dtype=torch.float32, seed=0)
+    tb = _train_batch()
+    # On-policy old logprobs (ratio 1 on the first step, as in a real loop), a bit perturbed so
+    # that both clipping branches occur in step 2.
+    tb = tb.with_old_logprobs(hf_logprobs(model, tb.batch) + 0.02 * tb.advantages.sign())
+    trainer = GroundTruthTrainer(model, lr=1e-3, weight_decay=0.01, clip_grad=1.0,
+                                 kl_coef=0.05, aggregation=aggregation, clip_eps_high=0.28,
+                                 batch_invariant=batch_invariant)
+    results = [trainer.step(tb, micro_batches=micro_batches) for _ in range(steps)]
+    return results, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_micro_batching_is_invisible(aggregation):
+    """Default (batch-invariant) reference: 1, 2, 4 micro-batches agree bit for bit. This still
+    tests the global-count normalisation: local counts would change every number."""
+    ref_results, ref_params = _run(1, aggregation=aggregation)
+    assert any(r["grad_norm"] > 1.0 for r in ref_results)  # clipping is exercised
+    for micro in (2, 4):
+        results, params = _run(micro, aggregation=aggregation)
+        for step, (got, want) in enumerate(zip(results, ref_results)):
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-6, abs=1e-7), (micro, step)
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-6), (micro, step)
+            assert got["lr"] == want["lr"]
+            assert len(got["micro_batches"]) == micro
+            assert got["tokens"] == want["tokens"]
+        worst = max(float((params[n] - ref_params[n]).abs().max()) for n in params)
+        assert worst < 1e-6, f"{micro} micro-batches: params differ by {worst}"
+        assert worst == 0.0  # in fact exactly equal
+
+
+def test_batched_gradient_accumulation_matches_to_rounding():
+    """batch_invariant=False: real batched accumulation; batched fp32 kernels round differently
+    per batch size (~1e-6 on logprobs), so agreement is to rounding, not bits."""
+    ref_results, ref_params = _run(1, batch_invariant=False)
+    for micro in (2, 4):
+        results, params = _run(micro, batch_invariant=False)
+        for got, want in zip(results, ref_results):
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-5)
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+        worst = max(float((params[n] - ref_params[n]).abs().max()) for n in params)
+        assert worst < 1e-5, f"{micro} micro-batches: params differ by {worst}"
+
+
+def test_a_step_trains():
+    model = build_hf_model("tiny-qwen3", dtype=torch.float32, seed=0)
+    tb = _train_batch()
+    tb = tb.with_old_logprobs(hf_logprobs(model, tb.batch))
+    trainer = GroundTruthTrainer(model, lr=1e-3)
+    before = trainer.evaluate(tb)
+    params = [p.detach().clone() for p in model.parameters()]
+    result = trainer.step(tb)
+    after = trainer.evaluate(tb)
+    assert result["loss"] == pytest.approx(before["loss"], rel=1e-6, abs=1e-7)
+    assert result["ratio_mean"] == pytest.approx(1.0, rel=1e-6)  # on-policy
+    assert after["loss"] < before["loss"], (before["loss"], after["loss"])
+    assert any(not torch.equal(p, q) for p, q in zip(params, model.parameters()))
+
+
+def test_policy_logprobs_match_the_parity_reference_and_have_grad():
+    model = build_hf_model("tiny-qwen3", dtype=torch.float32, seed=0)
+    tb = _train_batch()
+    lp = policy_logprobs(model, tb)
+    assert lp.requires_grad
+    torch.testing.assert_close(lp.detach(), hf_logprobs(model, tb.batch), rtol=0, atol=1e-6)
+
+
+# Megatron's OptimizerParamScheduler(init_lr=0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=2,
+# lr_decay_steps=6, lr_decay_style="cosine"): its lr before step 1, 2, ... (recorded from
+# megatron.core 's scheduler, stepped once after each optimizer step).
+MEGATRON_COSINE_LRS = [0.0, 5e-4, 1e-3, 8.681980515339464e-4, 5.5e-4, 2.3180194846605365e-4,
+                       1e-4, 1e-4]
+
+
+def test_lr_schedule_is_megatrons():
+    factor = megatron_lr_lambda(2, "cosine", 6, min_lr_ratio=0.1)
+    for n, want in enumerate(MEGATRON_COSINE_LRS):
+        assert 1e-3 * factor(n) == pytest.approx(want, rel=1e-12, abs=1e-18), n
+    constant = megatron_lr_lambda(3, "constant", None, 0.0)
+    assert [constant(n) for n in range(6)] == [0.0, 1 / 3, 2 / 3, 1.0, 1.0, 1.0]
+    assert math.isclose(megatron_lr_lambda(0, "constant", None, 0.0)(0), 1.0)
+
+
+def test_trainer_reports_the_lr_each_step_used():
+    model = build_hf_model("tiny-qwen3", dtype=torch.float32, seed=0)
+    tb = _train_batch()
+    trainer = GroundTruthTrainer(model, lr=1e-3, warmup_steps=2, decay_style="cosine",
+                                 total_steps=6, min_lr=1e-4)
+    params = [p.detach().clone() for p in model.parameters()]
+    lrs = [trainer.step(tb)["lr"] for _ in range(3)]
+    assert lrs == pytest.approx(MEGATRON_COSINE_LRS[:3], rel=1e-12, abs=1e-18)
+    assert trainer.lr == pytest.approx(MEGATRON_COSINE_LRS[3], rel=1e-12)
+    del params
+
+
+def test_trainer_rejects_non_fp32_models():
+    model = build_hf_model("tiny-qwen3", dtype=torch.bfloat16, seed=0)
+    with pytest.raises(ValueError, match="fp32"):
+        GroundTruthTrainer(model)
