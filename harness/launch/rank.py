@@ -139,7 +139,13 @@ def _init_process_group(spec: RankSpec) -> None:
     )
 
 
+# Defaults for every rank: HF progress bars per model load would drown each call's output.
+QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+
+
 def _setup_environment(spec: RankSpec) -> None:
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
     os.environ.update(spec.env)
     if spec.device == "cuda":
         for key, value in CUDA_SAFETY_ENV.items():
