@@ -399,16 +399,20 @@ def _bars(ax, table: pd.DataFrame, log: bool) -> None:
     ax.grid(axis="y", alpha=0.3)
 
 
+def _numeric_values(rows: pd.DataFrame) -> pd.DataFrame | None:
+    """The rows whose value is a number (as float), or None when there are none to plot."""
+    data = rows.copy()
+    data["value"] = pd.to_numeric(data["value"], errors="coerce")
+    data = data.dropna(subset=["value"])
+    return None if data.empty else data
+
+
 def plot_max_abs(frame: pd.DataFrame) -> bytes | None:
     """(a) worst max |Δ| per layout (x) and model (bars), one panel per dtype, log y, with that
     dtype's tolerance(s) as dashed lines. Negative controls are left out: they are meant to be
     orders of magnitude off and would flatten every real bar."""
-    data = frame[(frame["metric"] == "max_abs") & ~frame["expected_failure"]].copy()
-    if data.empty:
-        return None
-    data["value"] = pd.to_numeric(data["value"], errors="coerce")
-    data = data.dropna(subset=["value"])
-    if data.empty:
+    data = _numeric_values(frame[(frame["metric"] == "max_abs") & ~frame["expected_failure"]])
+    if data is None:
         return None
     dtypes = sorted(data["dtype"].unique())
     fig = Figure(figsize=(max(8.0, 1.1 * data["layout"].nunique() + 4), 4.2 * len(dtypes)))
@@ -462,12 +466,8 @@ def plot_memory(frame: pd.DataFrame) -> bytes | None:
 def plot_blocking(frame: pd.DataFrame) -> bytes | None:
     """(c) metrics named *blocking_s* per strategy (extra.strategy, else variant, else layout);
     the median over rows, since single timings on shared machines jitter."""
-    data = frame[frame["metric"].astype(str).str.contains("blocking_s", regex=False)].copy()
-    if data.empty:
-        return None
-    data["value"] = pd.to_numeric(data["value"], errors="coerce")
-    data = data.dropna(subset=["value"])
-    if data.empty:
+    data = _numeric_values(frame[frame["metric"].astype(str).str.contains("blocking_s", regex=False)])
+    if data is None:
         return None
     data["strategy"] = [(e or {}).get("strategy") or v or l or "?"
                         for e, v, l in zip(data["extra"], data["variant"], data["layout"])]

@@ -1,0 +1,200 @@
+"""Rank-side Megatron policy worker: DDP + DistributedOptimizer training steps on RL batches.
+
+A step is correct when it equals `GroundTruthTrainer.step` on the same global batch: same loss,
+same pre-clip grad norm, same lr, same updated weights. Import this module on rank processes only
+(it imports Megatron lazily, but its functions need parallel state).
+
+Gradient scaling (megatron-core 0.16.1, checked in the source):
+
+- `forward_step_calc_loss` (pipeline_parallel/schedules.py): a loss_func returning 2 values
+  (loss, reduced) gets ``loss *= cp_size; loss /= num_microbatches`` before backward. (With 3
+  values and ``config.calculate_per_token_loss`` the division is skipped and grads are later
+  divided by the total token count, which is not what our globally normalised loss wants.)
+- DDP (distributed/distributed_data_parallel.py): without calculate_per_token_loss and with
+  ``average_in_collective=False`` (default) every grad is pre-scaled by ``1 / dp_size`` and then
+  summed by the reduce-scatter/all-reduce, i.e. averaged over data parallel ranks.
+- `config.grad_scale_func` = `optimizer.scale_loss`: a constant 1 in fp32 (no loss scaler).
+
+Our per-micro-batch loss is ``sum over its tokens / GLOBAL count`` (`rl_loss` with the counts of
+the whole global batch), so the gradient of the global loss is the plain SUM over micro-batches
+and DP ranks. The loss handed to Megatron is therefore multiplied by
+``num_microbatches * dp_size`` (Megatron's ``*= cp_size`` and DDP's ``1 / (dp_size * cp_size)``
+cancel the context-parallel factor): Megatron's divisions cancel exactly,
+and the reported loss uses the unscaled value.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from harness.training.loss import loss_counts, rl_loss
+from harness.training.rl_data import RLTrainBatch
+
+
+@dataclass
+class PolicyConfig:
+    """Optimizer, schedule and loss settings; names as in `GroundTruthTrainer`."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    clip_grad: float | None = 1.0
+    warmup_steps: int = 0
+    decay_style: str = "constant"
+    total_steps: int | None = None
+    min_lr: float = 0.0
+    micro_batches: int = 1  # per data-parallel rank (Megatron's num_microbatches)
+    loss_kwargs: dict[str, Any] = field(default_factory=dict)  # to rl_loss
+
+
+class PolicyWorker:
+    """This rank's share of a Megatron policy: model chunks (DDP), DistributedOptimizer, scheduler.
+
+    Build it on every rank of the world at once, inside a Megatron layout.
+    """
+
+    def __init__(self, path, config: PolicyConfig | None = None, **overrides: Any) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+        from megatron.core.utils import get_model_config
+
+        from harness.bridge import bridge_info, load_megatron_model
+
+        config = config or PolicyConfig()
+        for key, value in overrides.items():
+            if not hasattr(config, key):
+                raise TypeError(f"unknown PolicyConfig field {key!r}")
+            setattr(config, key, value)
+        self.config = config
+        self.models = load_megatron_model(
+            path, dtype=torch.float32, wrap_with_ddp=True,
+            ddp_config=dict(grad_reduce_in_fp32=True, use_distributed_optimizer=True,
+                            overlap_grad_reduce=False, overlap_param_gather=False,
+                            average_in_collective=False))
+        self.true_vocab = bridge_info(self.models).vocab_size
+        clip = float(config.clip_grad) if config.clip_grad else 0.0  # Megatron: 0 = no clipping
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=config.lr, min_lr=config.min_lr,
+                            weight_decay=config.weight_decay, adam_beta1=config.betas[0],
+                            adam_beta2=config.betas[1], adam_eps=config.eps, clip_grad=clip,
+                            use_distributed_optimizer=True, bf16=False, fp16=False,
+                            params_dtype=torch.float32),
+            self.models)
+        decay_steps = config.total_steps if config.total_steps else max(config.warmup_steps, 0) + 1
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0, max_lr=config.lr, min_lr=config.min_lr,
+            lr_warmup_steps=config.warmup_steps, lr_decay_steps=decay_steps,
+            lr_decay_style=config.decay_style, start_wd=config.weight_decay,
+            end_wd=config.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant")
+        # As Megatron-LM's training.py (setup_model_and_optimizer / train) wires them.
+        model_config = get_model_config(self.models[0])
+        model_config.grad_scale_func = self.optimizer.scale_loss
+        model_config.finalize_model_grads_func = finalize_model_grads
+        no_sync = [m.no_sync for m in self.models]
+        model_config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        self.model_config = model_config
+        self.ps = ps
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def train_step(self, train_batch: RLTrainBatch) -> dict[str, Any]:
+        """One optimizer step on the GLOBAL train_batch (identical on every rank)."""
+        import torch.distributed as dist
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from harness.launch import context
+        from harness.logprobs.megatron import _right_padded, _shift_to_tokens
+        from harness.logprobs.vocab_parallel import vocab_parallel_logprobs
+
+        ps = self.ps
+        device = context().device
+        n_micro = self.config.micro_batches
+        dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        tokens_total, seqs_total = loss_counts(train_batch)  # the WHOLE global batch
+        local = train_batch.split(dp_size)[dp_rank]
+        if n_micro < 1 or local.batch_size % n_micro:
+            raise ValueError(f"{local.batch_size} rows per data-parallel rank do not split into "
+                             f"{n_micro} micro-batches")
+        parts = local.split(n_micro)
+        micros = [_right_padded(p.batch) for p in parts]
+        # Undo Megatron's loss /= num_microbatches, loss *= cp and the DDP 1/dp grad pre-scaling:
+        # per-part losses are already normalised by the global counts, so grads must simply add.
+        # (Megatron multiplies by cp_size and DDP divides by dp_size * cp_size: cp cancels.)
+        scale = float(n_micro * dp_size)
+        local_losses: dict[int, torch.Tensor] = {}
+
+        for model in self.models:
+            model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+        def forward_step(data_iterator, model):
+            index = next(data_iterator)
+            micro = micros[index]
+            tokens = micro.tokens.to(device)
+            positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
+            output = model(tokens, positions, None)
+
+            def loss_func(logits: torch.Tensor):
+                per_position = vocab_parallel_logprobs(logits[:, :-1], tokens[:, 1:],
+                                                       self.true_vocab).float()
+                logprobs = micro.unmap(_shift_to_tokens(per_position.cpu(), 0.0))
+                loss, _ = rl_loss(logprobs, parts[index], global_token_count=tokens_total,
+                                  global_seq_count=seqs_total, **self.config.loss_kwargs)
+                local_losses[index] = loss.detach()
+                return (loss * scale).to(device), {"loss": loss.detach()}
+
+            return output, loss_func
+
+        chunks = list(self.models)
+        order = list(range(n_micro))
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=[iter(order) for _ in chunks] if len(chunks) > 1 else iter(order),
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=n_micro, seq_length=micros[0].tokens.shape[1],
+            micro_batch_size=micros[0].tokens.shape[0], forward_only=False,
+        )
+        lr = self.lr
+        success, grad_norm, _num_zeros = self.optimizer.step()
+        if not success:
+            raise RuntimeError("optimizer step skipped (inf/nan gradients)")
+        self.scheduler.step(increment=1)
+
+        # The loss lives on the last pipeline stage: sum over DP there, then broadcast over PP.
+        last = ps.is_pipeline_last_stage(ignore_virtual=True)
+        value = torch.zeros((), dtype=torch.float64, device=device)
+        if last:
+            value += sum(float(local_losses[i]) for i in order)
+        dist.all_reduce(value, group=ps.get_data_parallel_group())
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            dist.broadcast(value, src=ps.get_pipeline_model_parallel_last_rank(),
+                           group=ps.get_pipeline_model_parallel_group())
+        return {"loss": float(value), "grad_norm": float(grad_norm), "lr": lr}
+
+    def export(self) -> dict[str, torch.Tensor]:
+        """The full HF state dict (call on every rank at once)."""
+        from harness.bridge import export_hf_state_dict
+
+        return export_hf_state_dict(self.models)
+
+
+def train_steps(layout, path, train_batches: list[RLTrainBatch],
+                config_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Rank function for `run_in_layout`: build a worker, run one step per batch.
+
+    Returns {"steps": [dict(loss, grad_norm, lr), ...], "state": HF state dict on global rank 0
+    (None elsewhere)}.
+    """
+    import torch.distributed as dist
+
+    worker = PolicyWorker(path, PolicyConfig(**config_kwargs))
+    steps = [worker.train_step(tb) for tb in train_batches]
+    state = worker.export()
+    return {"steps": steps, "state": state if dist.get_rank() == 0 else None}
