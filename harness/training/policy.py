@@ -48,6 +48,18 @@ class PolicyConfig:
     min_lr: float = 0.0
     micro_batches: int = 1  # per data-parallel rank (Megatron's num_microbatches)
     loss_kwargs: dict[str, Any] = field(default_factory=dict)  # to rl_loss
+    variant: str | None = None  # a shipped upstream bug, see VARIANTS
+
+
+# Upstream bugs, shipped as selectable wrong variants of this worker (shared notes, upstream-bugs).
+VARIANTS = {
+    # SkyRL PR 223 follow-up: finalize_model_grads_func left unset, so data-parallel gradients are
+    # never reduced (each rank steps on its own shard's gradients).
+    "no-finalize-grads": "finalize_model_grads not wired: DP gradients never reduced",
+    # NeMo-RL PR 1426: gradients (and so the grad norm) multiplied by the micro-batch count, here
+    # by compensating Megatron's loss /= num_microbatches twice.
+    "grad-times-microbatches": "gradients scaled by the micro-batch count",
+}
 
 
 class PolicyWorker:
@@ -70,6 +82,8 @@ class PolicyWorker:
             if not hasattr(config, key):
                 raise TypeError(f"unknown PolicyConfig field {key!r}")
             setattr(config, key, value)
+        if config.variant is not None and config.variant not in VARIANTS:
+            raise ValueError(f"unknown policy variant {config.variant!r}; choose from {sorted(VARIANTS)}")
         self.config = config
         self.models = load_megatron_model(
             path, dtype=torch.float32, wrap_with_ddp=True,
@@ -94,7 +108,8 @@ class PolicyWorker:
         # As Megatron-LM's training.py (setup_model_and_optimizer / train) wires them.
         model_config = get_model_config(self.models[0])
         model_config.grad_scale_func = self.optimizer.scale_loss
-        model_config.finalize_model_grads_func = finalize_model_grads
+        if config.variant != "no-finalize-grads":
+            model_config.finalize_model_grads_func = finalize_model_grads
         no_sync = [m.no_sync for m in self.models]
         model_config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         self.model_config = model_config
@@ -128,6 +143,8 @@ class PolicyWorker:
         # per-part losses are already normalised by the global counts, so grads must simply add.
         # (Megatron multiplies by cp_size and DDP divides by dp_size * cp_size: cp cancels.)
         scale = float(n_micro * dp_size)
+        if self.config.variant == "grad-times-microbatches":
+            scale *= n_micro
         local_losses: dict[int, torch.Tensor] = {}
 
         for model in self.models:

@@ -48,10 +48,17 @@ def _reference():
     return [tb] * STEPS, results, state
 
 
-def _check(world, layout, report):
+def _check(world, layout, report, micro_batches=2, variant=None):
+    """Assert the Megatron steps equal the ground truth (see `_compare`)."""
+    failures = _compare(world, layout, report, micro_batches, variant)
+    assert not failures, "; ".join(failures)
+
+
+def _compare(world, layout, report, micro_batches=2, variant=None) -> list[str]:
+    """Every way the Megatron steps differ from the ground truth (empty when they match)."""
     batches, expected, ref_state = _reference()
     out = run_in_layout(world, layout, train_steps, resolve_model(MODEL), batches,
-                        dict(**OPTIM, micro_batches=2, loss_kwargs=LOSS))
+                        dict(**OPTIM, micro_batches=micro_batches, loss_kwargs=LOSS, variant=variant))
     steps = out[0]["steps"]
     for rank_out in out:  # every rank reports the same global loss and grad norm
         for got, want in zip(rank_out["steps"], steps):
@@ -65,7 +72,8 @@ def _check(world, layout, report):
             # noise ~100x (TP2 step 2: |diff| 1.7e-7 on a loss of 0.0122).
             rel = abs(got[key] - want[key]) / max(abs(want[key]), 1.0)
             ok = rel <= TOL
-            report.add(f"{key}_rel_diff", rel, tolerance=TOL, passed=ok, layout=layout, step=i)
+            report.add(f"{key}_rel_diff", rel, tolerance=TOL, passed=ok, layout=layout, step=i,
+                       micro_batches=micro_batches, variant=variant)
             if not ok:
                 failures.append(f"step {i} {key}: megatron {got[key]!r} vs ground truth {want[key]!r}")
         if got["lr"] != pytest.approx(want["lr"], rel=1e-12):
@@ -86,7 +94,7 @@ def _check(world, layout, report):
     moved = max((state[n].float() - p.float()).abs().max().item()
                 for n, p in build_hf_model(MODEL, dtype=torch.float32, seed=0).state_dict().items())
     assert moved > 100 * TOL, f"weights barely moved ({moved:.3g})"
-    assert not failures, "; ".join(failures)
+    return failures
 
 
 @pytest.mark.world_size(2)
@@ -99,3 +107,19 @@ def test_policy_steps_match_ground_truth(world, device, layout, report):
 @pytest.mark.layouts(cpu=["tp1"], cuda=["tp1"])
 def test_policy_steps_match_ground_truth_single_rank(world, device, layout, report):
     _check(world, layout, report)
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("micro_batches", [1, 4])
+def test_micro_batch_count_does_not_change_training(world, device, micro_batches, report):
+    """NeMo-RL PR 1426's invariant: loss, grad norm and update independent of micro-batching."""
+    _check(world, "tp1", report, micro_batches=micro_batches)
+
+
+@pytest.mark.upstream
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("variant", ["no-finalize-grads", "grad-times-microbatches"])
+def test_upstream_bug_variant_is_detected(world, device, variant, report):
+    """Each shipped upstream bug makes the comparison fail (and the fixed worker passes above)."""
+    failures = _compare(world, "tp1", report, micro_batches=2, variant=variant)
+    assert any("grad_norm" in f for f in failures), f"variant {variant} went unnoticed: {failures}"
