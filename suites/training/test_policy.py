@@ -33,10 +33,10 @@ OPTIM = dict(lr=1e-3, weight_decay=0.01, clip_grad=1.0, eps=1e-6)
 LOSS = dict(kl_coef=0.05, clip_eps_high=0.28, aggregation="token-mean")
 
 
-@functools.lru_cache(maxsize=1)
-def _reference():
+@functools.lru_cache(maxsize=2)
+def _reference(model_name: str = MODEL):
     """(batches, ground-truth step results, final HF state dict): computed once per session."""
-    model = build_hf_model(MODEL, dtype=torch.float32, seed=0)
+    model = build_hf_model(model_name, dtype=torch.float32, seed=0)
     tb = make_rl_train_batch(TINY_VOCAB_SIZE, batch_size=8, seed=0, prompt_lengths=PROMPTS,
                              response_lengths=RESPONSES)
     # On-policy old logprobs, perturbed so that both clipping branches occur in step 2.
@@ -48,16 +48,16 @@ def _reference():
     return [tb] * STEPS, results, state
 
 
-def _check(world, layout, report, micro_batches=2, variant=None):
+def _check(world, layout, report, micro_batches=2, variant=None, model=MODEL):
     """Assert the Megatron steps equal the ground truth (see `_compare`)."""
-    failures = _compare(world, layout, report, micro_batches, variant)
+    failures = _compare(world, layout, report, micro_batches, variant, model)
     assert not failures, "; ".join(failures)
 
 
-def _compare(world, layout, report, micro_batches=2, variant=None) -> list[str]:
+def _compare(world, layout, report, micro_batches=2, variant=None, model=MODEL) -> list[str]:
     """Every way the Megatron steps differ from the ground truth (empty when they match)."""
-    batches, expected, ref_state = _reference()
-    out = run_in_layout(world, layout, train_steps, resolve_model(MODEL), batches,
+    batches, expected, ref_state = _reference(model)
+    out = run_in_layout(world, layout, train_steps, resolve_model(model), batches,
                         dict(**OPTIM, micro_batches=micro_batches, loss_kwargs=LOSS, variant=variant))
     steps = out[0]["steps"]
     for rank_out in out:  # every rank reports the same global loss and grad norm
@@ -79,6 +79,9 @@ def _compare(world, layout, report, micro_batches=2, variant=None) -> list[str]:
         if got["lr"] != pytest.approx(want["lr"], rel=1e-12):
             failures.append(f"step {i} lr: {got['lr']} vs {want['lr']}")
     state = out[0]["state"]
+    if "lm_head.weight" not in state and torch.equal(ref_state["lm_head.weight"], ref_state["model.embed_tokens.weight"]):
+        # Tied: HF's state dict lists the shared tensor twice, the export (like the checkpoint) once.
+        ref_state = {n: t for n, t in ref_state.items() if n != "lm_head.weight"}
     missing = sorted(set(ref_state) ^ set(state))
     assert not missing, f"state dict keys differ: {missing}"
     worst_name, worst = "", 0.0
@@ -92,7 +95,8 @@ def _compare(world, layout, report, micro_batches=2, variant=None) -> list[str]:
         failures.append(f"params: max |diff| {worst:.3g} at {worst_name}")
     # The step must actually have moved the weights (else equality proves nothing).
     moved = max((state[n].float() - p.float()).abs().max().item()
-                for n, p in build_hf_model(MODEL, dtype=torch.float32, seed=0).state_dict().items())
+                for n, p in build_hf_model(model, dtype=torch.float32, seed=0).state_dict().items()
+                if n in state)
     assert moved > 100 * TOL, f"weights barely moved ({moved:.3g})"
     return failures
 
@@ -123,3 +127,17 @@ def test_upstream_bug_variant_is_detected(world, device, variant, report):
     """Each shipped upstream bug makes the comparison fail (and the fixed worker passes above)."""
     failures = _compare(world, "tp1", report, micro_batches=2, variant=variant)
     assert any("grad_norm" in f for f in failures), f"variant {variant} went unnoticed: {failures}"
+
+
+@pytest.mark.world_size(2)
+def test_tied_embeddings_stay_identical_under_pp(world, device, report):
+    """mbridge PR 14's territory: with tied embeddings at PP=2 the last stage trains its own copy
+    of the embedding; Megatron all-reduces the two copies' gradients. The export raises if the
+    copies differ, and the trained weights must still equal the single-process ground truth."""
+    _check(world, "pp2", report, model="tiny-qwen3-tied")
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.layouts(cpu=["tp2pp2"], cuda=["tp2pp2"])
+def test_policy_steps_match_ground_truth_tp2pp2(world, device, layout, report):
+    _check(world, layout, report)
