@@ -1,6 +1,8 @@
 """RL training: the batch, the policy loss and the single-process ground-truth trainer.
 
-Pure PyTorch (no torch.distributed, no Megatron): safe to import in the pytest parent process.
+These names are pure PyTorch (no torch.distributed, no Megatron): safe to import in the pytest
+parent process. The rank-side Megatron workers live in `harness.training.policy` (PolicyWorker)
+and `harness.training.reference` (ReferenceWorker).
 """
 from harness.training.ground_truth import GroundTruthTrainer, megatron_lr_lambda, policy_logprobs
 from harness.training.loss import (

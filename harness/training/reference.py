@@ -1,0 +1,34 @@
+"""The frozen reference (or old-policy) worker: forward-only logprobs, no gradients, no optimizer.
+
+Rank-side. RL computes old logprobs (for the PPO ratio) and reference logprobs (for the KL term)
+with exactly the forward the parity suite checks against HF: `harness.logprobs.megatron`.
+"""
+from __future__ import annotations
+
+import torch
+
+from harness.data.rl_batch import RLBatch
+from harness.logprobs.megatron import RankLogprobs, megatron_logprobs
+
+
+class ReferenceWorker:
+    """This rank's share of a frozen Megatron model loaded through the bridge."""
+
+    def __init__(self, path, *, dtype: torch.dtype = torch.float32):
+        from harness.bridge import load_megatron_model
+
+        self.models = load_megatron_model(path, dtype=dtype)
+        for model in self.models:
+            model.eval()
+            model.requires_grad_(False)  # frozen: a reference model must never receive updates
+
+    @torch.no_grad()
+    def logprobs(self, batch: RLBatch, micro_batches: int = 1) -> RankLogprobs:
+        return megatron_logprobs(self.models, batch, micro_batches=micro_batches)
+
+
+def reference_logprobs(layout, path, batch: RLBatch, micro_batches: int = 1,
+                       dtype: torch.dtype = torch.float32) -> RankLogprobs:
+    """Rank function for `run_in_layout`; combine the ranks' results with
+    `harness.logprobs.megatron.assemble`."""
+    return ReferenceWorker(path, dtype=dtype).logprobs(batch, micro_batches)
