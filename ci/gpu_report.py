@@ -98,7 +98,7 @@ def main() -> None:
              f"- machine: {env['gpu_count']}x {env['gpus'][0] if env['gpus'] else 'no GPU'}, driver {env['driver']}, host {env['host']}",
              f"- versions: python {env['python']}, torch {env['torch']} (CUDA {env['cuda']}), megatron-core {env['megatron-core']}, "
              f"mbridge {env['mbridge']}, transformers {env['transformers']}, transformer-engine {env['transformer-engine']}",
-             f"- outcome: " + ", ".join(f"{v} {k}" for k, v in counts.items()), "",
+             "- outcome: " + ", ".join(f"{v} {k}" for k, v in counts.items()), "",
              "| test | outcome | time (s) | detail |", "|---|---|---|---|"]
     lines += [f"| `{r['test']}` | {r['outcome']} | {r['time_s']:.2f} | {r['detail'].replace('|', '/')} |"
               for r in sorted(rows, key=lambda r: (r["outcome"] == "passed", r["test"]))]

@@ -30,10 +30,6 @@ class ProbeSpec:
     global_batch: int = 4
     seed: int = 0
 
-    @property
-    def model_config(self) -> "ProbeSpec":
-        return self  # has the attribute names layout validation reads
-
 
 def build_model(spec: ProbeSpec, device: torch.device) -> torch.nn.Module:
     """This rank's pipeline stage of the probe GPT (local spec, no dropout, fp32)."""

@@ -10,7 +10,6 @@ one forward+backward, destroy the layout):
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys

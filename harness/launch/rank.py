@@ -18,7 +18,6 @@ import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Any
 
 from harness.report import buffer as report_buffer
 

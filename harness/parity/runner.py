@@ -20,7 +20,7 @@ from harness.parallel.layout import Layout, parse_layout, resolve, validate
 from harness.parallel.state import run_in_layout
 from harness.parity.metrics import compare_logprobs, top1_agreement
 from harness.parity.tolerances import check
-from harness.parity.variants import VariantError, apply_variant, check_variant
+from harness.parity.variants import apply_variant, check_variant
 from harness.report import Row
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -1,8 +1,6 @@
 """The CPU backend answers each CUDA assumption Megatron-Core makes (shared notes, megatron-on-cpu)."""
 from __future__ import annotations
 
-import pytest
-
 
 def _cuda_assumptions() -> dict:
     import torch

@@ -399,7 +399,7 @@ def test_validate_moe_experts(attr: str) -> None:
     moe = types.SimpleNamespace(**vars(TINY), **{attr: 4})
     assert validate(Layout(ep=4, dp=4), 4, moe)
     assert validate(Layout(tp=2, ep=2, dp=2), 4, moe)
-    with pytest.raises(LayoutError, match=f"ep=3 does not divide num_moe_experts=4"):
+    with pytest.raises(LayoutError, match="ep=3 does not divide num_moe_experts=4"):
         validate(Layout(ep=3, dp=3), 3, moe)
 
 
