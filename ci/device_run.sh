@@ -5,8 +5,11 @@ set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 name=$1; shift
 out=${OUT:-reports/gpu}
-python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl || exit 1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>/dev/null || exit 1
+# Install once per machine (several runs may share it, possibly concurrently on disjoint GPUs).
+if ! python3 -c "import megatron.core, mbridge, harness" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>/dev/null || exit 1
+fi
 start=$(date -u +%FT%TZ); t0=$(date +%s)
 # RUN_TIMEOUT: stop with SIGINT, so pytest still writes its JUnit file and summary.
 timeout -s INT "${RUN_TIMEOUT:-3600}" python3 -m pytest "$@" -ra -p no:cacheprovider \
