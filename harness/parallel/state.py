@@ -12,6 +12,7 @@ layouts a world ever sees.
 from __future__ import annotations
 
 import functools
+import os
 import types
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -50,10 +51,12 @@ def _layout_key(layout: Layout) -> tuple:
 
 
 @contextmanager
-def model_parallel(layout: Layout | str, seed: int = DEFAULT_SEED) -> Iterator[Layout]:
+def model_parallel(layout: Layout | str, seed: int | None = DEFAULT_SEED) -> Iterator[Layout]:
     """Make `layout` Megatron's parallel state on this rank; leave the previous state on exit.
 
     Must run on every rank of the world at once (a layout's first use creates process groups).
+    `seed` reseeds Megatron's RNG tracker; None keeps every RNG as it is (a persistent worker's
+    later calls, whose dropout stream must continue, or come from a checkpoint).
     """
     global _pristine
     import torch.distributed as dist
@@ -73,26 +76,32 @@ def model_parallel(layout: Layout | str, seed: int = DEFAULT_SEED) -> Iterator[L
         parallel_state.initialize_model_parallel(**layout.megatron_kwargs())
         _by_layout[key] = _snapshot(parallel_state)
     try:
-        model_parallel_cuda_manual_seed(seed)
+        if seed is not None:
+            model_parallel_cuda_manual_seed(seed)
         yield layout
     finally:
         _restore(parallel_state, previous)
 
 
-def _call_in_layout(layout: Layout, seed: int, fn: Callable[..., Any], args, kwargs) -> Any:
+def _call_in_layout(layout: Layout, seed: int | None, fn: Callable[..., Any], args, kwargs) -> Any:
     with model_parallel(layout, seed) as active:
         return fn(active, *args, **kwargs)
 
 
 def run_in_layout(world, layout: Layout | str, fn: Callable[..., Any], *args: Any,
-                  model: Any = None, seed: int = DEFAULT_SEED, timeout: float | None = None,
+                  model: Any = None, seed: int | None = DEFAULT_SEED, timeout: float | None = None,
                   **kwargs: Any) -> list[Any]:
     """Run `fn(layout, *args, **kwargs)` on every rank of `world` under `layout`.
 
     The layout is resolved against the world size and validated (against `model` too, when given)
-    in the parent first, so a bad layout is one clear error before any rank does work.
+    in the parent first, so a bad layout is one clear error before any rank does work. `model` is
+    a config object, or a zoo name / HF checkpoint dir whose config is read.
     """
     resolved = resolve(as_layout(layout), world.size)
+    if isinstance(model, (str, os.PathLike)):  # a zoo name or checkpoint dir: validate its config
+        from harness.models import load_hf_config, resolve_model
+
+        model = load_hf_config(resolve_model(model))
     validate(resolved, world.size, model)
     call = functools.partial(_call_in_layout, resolved, seed, fn, args, kwargs)
     call.mrh_name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)} under {resolved}"

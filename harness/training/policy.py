@@ -47,6 +47,8 @@ class PolicyConfig:
     total_steps: int | None = None
     min_lr: float = 0.0
     micro_batches: int = 1  # per data-parallel rank (Megatron's num_microbatches)
+    dtype: str = "fp32"  # "fp32" | "bf16" (bf16 weights, fp32 main params and grad reduction)
+    dropout: float = 0.0  # hidden and attention dropout (RNG-dependent training when > 0)
     loss_kwargs: dict[str, Any] = field(default_factory=dict)  # to rl_loss
     variant: str | None = None  # a shipped upstream bug, see VARIANTS
 
@@ -62,13 +64,18 @@ VARIANTS = {
 }
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 class PolicyWorker:
     """This rank's share of a Megatron policy: model chunks (DDP), DistributedOptimizer, scheduler.
 
-    Build it on every rank of the world at once, inside a Megatron layout.
+    Build it on every rank of the world at once, inside a Megatron layout. `steps_done` and
+    `consumed_samples` (global rows trained on) are the data position a checkpoint records.
     """
 
-    def __init__(self, path, config: PolicyConfig | None = None, **overrides: Any) -> None:
+    def __init__(self, path, config: PolicyConfig | None = None, *, sequence_parallel: bool = False,
+                 **overrides: Any) -> None:
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -84,9 +91,18 @@ class PolicyWorker:
             setattr(config, key, value)
         if config.variant is not None and config.variant not in VARIANTS:
             raise ValueError(f"unknown policy variant {config.variant!r}; choose from {sorted(VARIANTS)}")
+        if config.dtype not in DTYPES:
+            raise ValueError(f"unknown policy dtype {config.dtype!r}; choose from {sorted(DTYPES)}")
+        if not 0.0 <= config.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {config.dropout!r}")
         self.config = config
+        self.path = path
+        self.steps_done = 0
+        self.consumed_samples = 0
+        dtype = DTYPES[config.dtype]
         self.models = load_megatron_model(
-            path, dtype=torch.float32, wrap_with_ddp=True,
+            path, dtype=dtype, wrap_with_ddp=True, sequence_parallel=sequence_parallel,
+            config_overrides=dict(hidden_dropout=config.dropout, attention_dropout=config.dropout),
             ddp_config=dict(grad_reduce_in_fp32=True, use_distributed_optimizer=True,
                             overlap_grad_reduce=False, overlap_param_gather=False,
                             average_in_collective=False))
@@ -96,8 +112,8 @@ class PolicyWorker:
             OptimizerConfig(optimizer="adam", lr=config.lr, min_lr=config.min_lr,
                             weight_decay=config.weight_decay, adam_beta1=config.betas[0],
                             adam_beta2=config.betas[1], adam_eps=config.eps, clip_grad=clip,
-                            use_distributed_optimizer=True, bf16=False, fp16=False,
-                            params_dtype=torch.float32),
+                            use_distributed_optimizer=True, bf16=dtype is torch.bfloat16,
+                            fp16=False, params_dtype=dtype),
             self.models)
         decay_steps = config.total_steps if config.total_steps else max(config.warmup_steps, 0) + 1
         self.scheduler = OptimizerParamScheduler(
@@ -193,7 +209,30 @@ class PolicyWorker:
         if ps.get_pipeline_model_parallel_world_size() > 1:
             dist.broadcast(value, src=ps.get_pipeline_model_parallel_last_rank(),
                            group=ps.get_pipeline_model_parallel_group())
-        return {"loss": float(value), "grad_norm": float(grad_norm), "lr": lr}
+        self.steps_done += 1
+        self.consumed_samples += train_batch.batch_size
+        return {"loss": float(value), "grad_norm": float(grad_norm), "lr": lr,
+                "micro_batches": self._micro_batch_stats(local_losses, parts, last, device)}
+
+    def _micro_batch_stats(self, local_losses, parts, last: bool, device) -> list[dict[str, Any]]:
+        """Every micro-batch of the global batch, in (dp rank, index) order: its contribution to
+        the loss and its response-token count; identical on every rank."""
+        import torch.distributed as dist
+
+        ps = self.ps
+        mine = torch.zeros(len(parts), 2, dtype=torch.float64, device=device)
+        if last:
+            for i, part in enumerate(parts):
+                mine[i, 0] = float(local_losses[i])
+                mine[i, 1] = float(part.loss_mask().sum())
+        gathered = [torch.empty_like(mine) for _ in range(ps.get_data_parallel_world_size())]
+        dist.all_gather(gathered, mine, group=ps.get_data_parallel_group())
+        table = torch.stack(gathered)
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            dist.broadcast(table, src=ps.get_pipeline_model_parallel_last_rank(),
+                           group=ps.get_pipeline_model_parallel_group())
+        return [{"dp_rank": d, "index": i, "loss": float(table[d, i, 0]), "tokens": int(table[d, i, 1])}
+                for d in range(table.shape[0]) for i in range(table.shape[1])]
 
     def export(self) -> dict[str, torch.Tensor]:
         """The full HF state dict (call on every rank at once)."""
@@ -211,7 +250,7 @@ def train_steps(layout, path, train_batches: list[RLTrainBatch],
     """
     import torch.distributed as dist
 
-    worker = PolicyWorker(path, PolicyConfig(**config_kwargs))
+    worker = PolicyWorker(path, PolicyConfig(**config_kwargs), sequence_parallel=layout.sequence_parallel)
     steps = [worker.train_step(tb) for tb in train_batches]
     state = worker.export()
     return {"steps": steps, "state": state if dist.get_rank() == 0 else None}

@@ -14,10 +14,10 @@ from harness.logprobs.megatron import RankLogprobs, megatron_logprobs
 class ReferenceWorker:
     """This rank's share of a frozen Megatron model loaded through the bridge."""
 
-    def __init__(self, path, *, dtype: torch.dtype = torch.float32):
+    def __init__(self, path, *, dtype: torch.dtype = torch.float32, sequence_parallel: bool = False):
         from harness.bridge import load_megatron_model
 
-        self.models = load_megatron_model(path, dtype=dtype)
+        self.models = load_megatron_model(path, dtype=dtype, sequence_parallel=sequence_parallel)
         for model in self.models:
             model.eval()
             model.requires_grad_(False)  # frozen: a reference model must never receive updates
@@ -31,4 +31,5 @@ def reference_logprobs(layout, path, batch: RLBatch, micro_batches: int = 1,
                        dtype: torch.dtype = torch.float32) -> RankLogprobs:
     """Rank function for `run_in_layout`; combine the ranks' results with
     `harness.logprobs.megatron.assemble`."""
-    return ReferenceWorker(path, dtype=dtype).logprobs(batch, micro_batches)
+    return ReferenceWorker(path, dtype=dtype, sequence_parallel=layout.sequence_parallel).logprobs(
+        batch, micro_batches)

@@ -1,0 +1,182 @@
+"""Parent-side handles on workers that live in a world's rank processes across calls.
+
+A `PolicyHandle` builds a `PolicyWorker` on every rank of a world under one layout and keeps it
+there: each later call (a step, logprobs, an export, a checkpoint save or load) runs on the same
+rank-side objects, so optimizer state, step counters and RNG streams carry over as in a real
+training loop. The first call seeds Megatron's RNG tracker; later calls leave every RNG alone
+(`run_in_layout(..., seed=None)`), so a checkpoint's restored RNG state is what the next step uses.
+
+    policy = PolicyHandle(world, "tp2", "tiny-qwen3", lr=1e-3, micro_batches=2)
+    stats = policy.step(train_batch)      # {"loss", "grad_norm", "lr", "micro_batches": [...]}
+    state = policy.hf_state_dict()        # full HF tensors, for comparisons
+    policy.close()
+
+`ReferenceHandle` does the same for the frozen reference/old-policy worker. The pytest fixtures
+`policy` and `reference` (harness.fixtures.workers) make these and close them after the test.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Any, Callable
+
+import torch
+
+from harness.models import resolve_model
+from harness.parallel.layout import Layout, resolve
+from harness.parallel.state import DEFAULT_SEED, as_layout, run_in_layout
+
+# ----------------------------------------------------------------------------- rank side
+_WORKERS: dict[str, Any] = {}  # this rank's live workers, by handle key
+
+
+def _worker(key: str):
+    try:
+        return _WORKERS[key]
+    except KeyError:
+        raise RuntimeError(f"worker {key!r} is not on this rank: it was closed, or the world "
+                           "restarted after a failure (make a new handle)") from None
+
+
+def _create_policy(layout: Layout, key: str, path, config_kwargs: dict[str, Any]) -> None:
+    from harness.training.policy import PolicyConfig, PolicyWorker
+
+    _WORKERS[key] = PolicyWorker(path, PolicyConfig(**config_kwargs),
+                                 sequence_parallel=layout.sequence_parallel)
+
+
+def _create_reference(layout: Layout, key: str, path, dtype: torch.dtype) -> None:
+    from harness.training.reference import ReferenceWorker
+
+    _WORKERS[key] = ReferenceWorker(path, dtype=dtype, sequence_parallel=layout.sequence_parallel)
+
+
+def _apply(layout: Layout, key: str, fn: Callable[..., Any], args, kwargs) -> Any:
+    return fn(_worker(key), *args, **kwargs)
+
+
+def _drop(layout: Layout, key: str) -> None:
+    worker = _WORKERS.pop(key, None)
+    if worker is not None:
+        del worker
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+# Rank functions a handle applies to its worker (module-level: they travel by reference).
+def _train_step(worker, train_batch):
+    return worker.train_step(train_batch)
+
+
+def _export(worker):
+    import torch.distributed as dist
+
+    state = worker.export()
+    return state if dist.get_rank() == 0 else None
+
+
+def _logprobs(worker, batch, micro_batches):
+    return worker.logprobs(batch, micro_batches)
+
+
+def _position(worker):
+    return {"steps_done": worker.steps_done, "consumed_samples": worker.consumed_samples,
+            "lr": worker.lr}
+
+
+# ----------------------------------------------------------------------------- parent side
+_keys = itertools.count()
+
+
+class _Handle:
+    kind = "worker"
+
+    def __init__(self, world, layout: Layout | str, model, seed: int) -> None:
+        self.world = world
+        self.layout = resolve(as_layout(layout), world.size)
+        self.path = resolve_model(model)  # materialize a zoo model once, in the parent
+        self.key = f"{self.kind}-{os.getpid()}-{next(_keys)}"
+        self.seed = seed
+        self.closed = False
+
+    def apply(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
+              **kwargs: Any) -> list[Any]:
+        """`fn(worker, *args, **kwargs)` on every rank (under this handle's layout, RNG untouched);
+        returns each rank's result. `fn` must be a module-level function."""
+        if self.closed:
+            raise RuntimeError(f"{self} is closed")
+        return run_in_layout(self.world, self.layout, _apply, self.key, fn, args, kwargs,
+                             seed=None, timeout=timeout)
+
+    def close(self) -> None:
+        """Free the rank-side worker (idempotent; a restarted world has nothing to free)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.world.alive:
+            run_in_layout(self.world, self.layout, _drop, self.key, seed=None)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.key} {self.layout} {self.path.name}>"
+
+
+class PolicyHandle(_Handle):
+    """A Megatron policy (DDP + DistributedOptimizer) resident on every rank of `world`.
+
+    `config` are `PolicyConfig` fields (lr, micro_batches, dtype, dropout, loss_kwargs, variant...).
+    The layout is validated against the world and the model before any rank builds anything.
+    """
+
+    kind = "policy"
+
+    def __init__(self, world, layout: Layout | str, model="tiny-qwen3", *,
+                 seed: int = DEFAULT_SEED, **config: Any) -> None:
+        from harness.training.policy import PolicyConfig
+
+        unknown = sorted(set(config) - set(PolicyConfig.__dataclass_fields__))
+        if unknown:
+            raise TypeError(f"unknown PolicyConfig field(s) {unknown}")
+        super().__init__(world, layout, model, seed)
+        self.config = dict(config)
+        run_in_layout(world, self.layout, _create_policy, self.key, self.path, self.config,
+                      model=self.path, seed=seed)
+
+    def step(self, train_batch) -> dict[str, Any]:
+        """One optimizer step on the global batch: loss, grad_norm, lr, micro_batches."""
+        return self.apply(_train_step, train_batch)[0]
+
+    def steps(self, train_batches) -> list[dict[str, Any]]:
+        return [self.step(tb) for tb in train_batches]
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full HF state dict of the current weights."""
+        return self.apply(_export)[0]
+
+    def position(self) -> dict[str, Any]:
+        """steps_done, consumed_samples and the current lr (rank 0's; all ranks agree)."""
+        return self.apply(_position)[0]
+
+
+class ReferenceHandle(_Handle):
+    """A frozen Megatron model (old-policy or reference logprobs) resident on every rank."""
+
+    kind = "reference"
+
+    def __init__(self, world, layout: Layout | str, model="tiny-qwen3", *,
+                 dtype: torch.dtype = torch.float32, seed: int = DEFAULT_SEED) -> None:
+        super().__init__(world, layout, model, seed)
+        run_in_layout(world, self.layout, _create_reference, self.key, self.path, dtype,
+                      model=self.path, seed=seed)
+
+    def logprobs(self, batch, micro_batches: int = 1) -> torch.Tensor:
+        """[B, S] logprobs of `batch` (0 where undefined), assembled from the ranks."""
+        from harness.logprobs.megatron import assemble
+
+        logprobs, _ = assemble(self.apply(_logprobs, batch, micro_batches))
+        return logprobs
