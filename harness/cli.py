@@ -28,6 +28,14 @@ def _parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="compare runs against a baseline, plot trends, render")
     report_arguments(report)
     report.set_defaults(handler="harness.report.cli:main")
+
+    ckpt = commands.add_parser("ckpt", help="inspect dist checkpoints")
+    ckpts = ckpt.add_subparsers(dest="ckpt", required=True)
+    from harness.checkpoint.diff import add_arguments as diff_arguments
+
+    diff = ckpts.add_parser("diff", help="full-tensor diff of two checkpoints (exit 0 equal, 1 different, 2 bad input)")
+    diff_arguments(diff)
+    diff.set_defaults(handler="harness.checkpoint.diff:main")
     return parser
 
 

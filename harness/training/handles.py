@@ -158,6 +158,18 @@ class PolicyHandle(_Handle):
         """The full HF state dict of the current weights."""
         return self.apply(_export)[0]
 
+    def save(self, directory, **options: Any):
+        """Checkpoint the whole state (`harness.checkpoint.save_checkpoint`); returns the manifest."""
+        from harness.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, directory, **options)
+
+    def load(self, directory, **options: Any) -> dict[str, Any]:
+        """Replace the whole state by a checkpoint's (`harness.checkpoint.load_checkpoint`)."""
+        from harness.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, directory, **options)
+
     def position(self) -> dict[str, Any]:
         """steps_done, consumed_samples and the current lr (rank 0's; all ranks agree)."""
         return self.apply(_position)[0]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from harness.logprobs import hf_logprobs
-from harness.models import TINY_VOCAB_SIZE, build_hf_model, resolve_model
+from harness.models import TINY_VOCAB_SIZE, build_hf_model
 from harness.parallel.layout import LayoutError
 from harness.training import GroundTruthTrainer, make_rl_train_batch
 from harness.training.tolerances import training_tolerance

@@ -1,0 +1,11 @@
+"""Checkpoint manager: save/load a resident policy's whole state with megatron.core.dist_checkpointing.
+
+Parent side: `save_checkpoint`, `load_checkpoint`, `check_loadable` (harness.checkpoint.manager);
+rank side: harness.checkpoint.rank; the manifest: harness.checkpoint.manifest.
+"""
+from harness.checkpoint.errors import CheckpointError
+from harness.checkpoint.manager import OPTIMIZER_FORMATS, check_loadable, load_checkpoint, save_checkpoint
+from harness.checkpoint.manifest import Manifest, read_manifest
+
+__all__ = ["CheckpointError", "Manifest", "OPTIMIZER_FORMATS", "check_loadable", "load_checkpoint",
+           "read_manifest", "save_checkpoint"]

@@ -1,0 +1,125 @@
+"""Save and load a resident policy's whole state (parent side; synchronous).
+
+    manifest = save_checkpoint(policy, "ckpts/step-2")     # complete or absent, never partial
+    info = load_checkpoint(other_policy, "ckpts/step-2")  # any layout of the same model
+
+Saving writes into a hidden sibling directory and renames it into place after every rank has
+written and the manifest (files, sizes, sha256) is down, so a crash leaves no directory under the
+target name. Loading validates the manifest, every file, the model and the layout in this process
+first; only then do the ranks replace their state. A refused load changes nothing.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from harness.checkpoint import rank
+from harness.checkpoint.errors import CheckpointError
+from harness.checkpoint.manifest import Manifest, file_table, model_fingerprint, read_manifest, \
+    verify_files, write_manifest
+from harness.parallel.layout import parse_layout
+from harness.parallel.state import run_in_layout
+
+OPTIMIZER_FORMATS = rank.OPTIMIZER_FORMATS
+
+
+def _megatron_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("megatron-core")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def save_checkpoint(policy, directory: str | os.PathLike, *, optimizer_format: str = "fully_reshardable",
+                    fully_parallel_save: bool = True) -> Manifest:
+    """Write `policy`'s model, optimizer, scheduler, RNG and data position to `directory`, which
+    must not exist. `optimizer_format="dp_reshardable"` is the shipped buggy variant (reshards
+    across DP only)."""
+    from harness.models import load_hf_config
+
+    directory = Path(directory)
+    if optimizer_format not in OPTIMIZER_FORMATS:
+        raise CheckpointError(f"unknown optimizer format {optimizer_format!r}; choose from {OPTIMIZER_FORMATS}")
+    if directory.exists():
+        raise CheckpointError(f"{directory} exists; refusing to overwrite it (nothing was written)")
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    partial = directory.parent / f".{directory.name}.partial-{uuid.uuid4().hex[:8]}"
+    partial.mkdir()
+    try:
+        started = time.perf_counter()
+        run_in_layout(policy.world, policy.layout, rank.save, policy.key, str(partial), optimizer_format,
+                      fully_parallel_save, seed=None)
+        position = policy.position()
+        manifest = Manifest(
+            model=str(policy.path), model_config=model_fingerprint(load_hf_config(policy.path)),
+            layout=policy.layout.name, world_size=policy.world.size,
+            dtype=policy.config.get("dtype", "fp32"), optimizer_format=optimizer_format,
+            steps_done=position["steps_done"], consumed_samples=position["consumed_samples"],
+            megatron_core=_megatron_version(), files=file_table(partial))
+        manifest.save_s = round(time.perf_counter() - started, 4)
+        write_manifest(partial, manifest)
+        os.rename(partial, directory)  # atomic: the checkpoint appears whole
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _same_model_parallelism(a, b) -> bool:
+    return (a.tp, a.pp, a.vpp, a.cp, a.ep) == (b.tp, b.pp, b.vpp, b.cp, b.ep)
+
+
+def check_loadable(policy, directory: str | os.PathLike, *, load_rng: bool | None = None,
+                   verify_checksums: bool = True) -> tuple[Manifest, bool]:
+    """Everything `load_checkpoint` checks before touching state: (manifest, restore RNG?)."""
+    from harness.models import load_hf_config
+
+    manifest = read_manifest(directory)
+    verify_files(directory, manifest, checksums=verify_checksums)
+    want = model_fingerprint(load_hf_config(policy.path))
+    if manifest.model_config != want:
+        differing = {k: (manifest.model_config.get(k), v) for k, v in want.items()
+                     if manifest.model_config.get(k) != v}
+        raise CheckpointError(f"{directory}: a checkpoint of another model ({manifest.model}); "
+                              f"(checkpoint, policy) differ in {differing}")
+    dtype = policy.config.get("dtype", "fp32")
+    if manifest.dtype != dtype:
+        raise CheckpointError(f"{directory}: saved from a {manifest.dtype} policy, loading into {dtype}")
+    saved = parse_layout(manifest.layout)
+    same_layout = saved == policy.layout and manifest.world_size == policy.world.size
+    if manifest.optimizer_format == "dp_reshardable" and not _same_model_parallelism(saved, policy.layout):
+        raise CheckpointError(
+            f"{directory}: its optimizer state is in the dp_reshardable format (flat buffers of the "
+            f"{manifest.layout} layout), which reshards across data parallelism only; it cannot be "
+            f"loaded at {policy.layout}. Save with optimizer_format='fully_reshardable'.")
+    if load_rng and not same_layout:
+        raise CheckpointError(
+            f"{directory}: RNG states are per rank of layout {manifest.layout} on {manifest.world_size} "
+            f"ranks; they cannot be restored at {policy.layout} on {policy.world.size} (load_rng=False "
+            "keeps the current RNG)")
+    return manifest, same_layout if load_rng is None else bool(load_rng)
+
+
+def load_checkpoint(policy, directory: str | os.PathLike, *, load_rng: bool | None = None,
+                    fully_parallel_load: bool = True, verify_checksums: bool = True,
+                    variant: str | None = None) -> dict[str, Any]:
+    """Replace `policy`'s whole state by the checkpoint's. load_rng: True restores the RNG states
+    (same layout only), False keeps the current ones, None restores them when the layout matches.
+    `variant` selects a shipped upstream bug (`rank.LOAD_VARIANTS`). Returns the data position,
+    whether the RNG was restored and the load time."""
+    if variant is not None and variant not in rank.LOAD_VARIANTS:
+        raise CheckpointError(f"unknown load variant {variant!r}; choose from {sorted(rank.LOAD_VARIANTS)}")
+    manifest, restore_rng = check_loadable(policy, directory, load_rng=load_rng,
+                                           verify_checksums=verify_checksums)
+    started = time.perf_counter()
+    position = run_in_layout(policy.world, policy.layout, rank.load, policy.key, str(directory),
+                             manifest.optimizer_format, fully_parallel_load, restore_rng, variant,
+                             seed=None)[0]
+    return {**position, "rng_restored": restore_rng, "load_s": round(time.perf_counter() - started, 4),
+            "manifest": manifest}

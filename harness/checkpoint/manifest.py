@@ -1,0 +1,107 @@
+"""`manifest.json`: what a checkpoint directory holds, written last, read first.
+
+A directory is a complete checkpoint only if its manifest exists and every file it lists is there
+with the recorded size and sha256. Loading checks that, and the model and layout, in the parent
+before any rank touches its state.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from harness.checkpoint.errors import CheckpointError
+
+FORMAT = "megatron-rl-harness/checkpoint/1"
+MANIFEST = "manifest.json"
+# The HF config fields that decide whether a checkpoint's tensors belong to a model.
+_MODEL_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
+                 "rope_theta", "rms_norm_eps", "attention_bias")
+
+
+@dataclass
+class Manifest:
+    model: str  # the HF checkpoint dir the policy was built from
+    model_config: dict[str, Any]  # `model_fingerprint` of its config
+    layout: str
+    world_size: int
+    dtype: str
+    optimizer_format: str
+    steps_done: int
+    consumed_samples: int
+    megatron_core: str
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> size, sha256
+    save_s: float = 0.0
+    created: str = ""
+    format: str = FORMAT
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+
+def model_fingerprint(hf_config) -> dict[str, Any]:
+    return {name: getattr(hf_config, name, None) for name in _MODEL_FIELDS}
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def file_table(directory: Path) -> dict[str, dict[str, Any]]:
+    """Every file of the checkpoint (recursively, manifest excluded): size and sha256."""
+    table = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        name = path.relative_to(directory).as_posix()
+        if name != MANIFEST:
+            table[name] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    return table
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    manifest.created = manifest.created or datetime.now(timezone.utc).isoformat(timespec="seconds")
+    tmp = directory / (MANIFEST + ".tmp")
+    tmp.write_text(manifest.to_json())
+    os.replace(tmp, directory / MANIFEST)
+
+
+def read_manifest(directory: str | os.PathLike) -> Manifest:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: no such checkpoint directory")
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"{directory}: not a complete checkpoint (no {MANIFEST}; an interrupted "
+                              "save leaves none)")
+    try:
+        data = json.loads(path.read_text())
+        manifest = Manifest(**data)
+    except (ValueError, TypeError) as exc:
+        raise CheckpointError(f"{path}: unreadable manifest ({exc})") from None
+    if manifest.format != FORMAT:
+        raise CheckpointError(f"{path}: format {manifest.format!r}, this harness reads {FORMAT!r}")
+    return manifest
+
+
+def verify_files(directory: str | os.PathLike, manifest: Manifest, *, checksums: bool = True) -> None:
+    """Raise one CheckpointError naming every missing, truncated, corrupt or unexpected file."""
+    directory = Path(directory)
+    problems = []
+    for name, want in sorted(manifest.files.items()):
+        path = directory / name
+        if not path.is_file():
+            problems.append(f"{name}: missing")
+        elif path.stat().st_size != want["size"]:
+            problems.append(f"{name}: {path.stat().st_size} bytes, the manifest says {want['size']} (truncated?)")
+        elif checksums and _sha256(path) != want["sha256"]:
+            problems.append(f"{name}: sha256 differs from the manifest (corrupt)")
+    if problems:
+        raise CheckpointError(f"{directory}: damaged checkpoint: " + "; ".join(problems))
