@@ -24,8 +24,9 @@ and the reported loss uses the unscaled value.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -49,6 +50,7 @@ class PolicyConfig:
     micro_batches: int = 1  # per data-parallel rank (Megatron's num_microbatches)
     dtype: str = "fp32"  # "fp32" | "bf16" (bf16 weights, fp32 main params and grad reduction)
     dropout: float = 0.0  # hidden and attention dropout (RNG-dependent training when > 0)
+    deterministic: bool = False  # deterministic kernels in the step (CUDA: e.g. embedding backward)
     loss_kwargs: dict[str, Any] = field(default_factory=dict)  # to rl_loss
     variant: str | None = None  # a shipped upstream bug, see VARIANTS
 
@@ -137,12 +139,8 @@ class PolicyWorker:
 
     def train_step(self, train_batch: RLTrainBatch) -> dict[str, Any]:
         """One optimizer step on the GLOBAL train_batch (identical on every rank)."""
-        import torch.distributed as dist
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         from harness.launch import context
-        from harness.logprobs.megatron import _right_padded, _shift_to_tokens
-        from harness.logprobs.vocab_parallel import vocab_parallel_logprobs
+        from harness.logprobs.megatron import _right_padded
 
         ps = self.ps
         device = context().device
@@ -161,11 +159,23 @@ class PolicyWorker:
         scale = float(n_micro * dp_size)
         if self.config.variant == "grad-times-microbatches":
             scale *= n_micro
-        local_losses: dict[int, torch.Tensor] = {}
 
         for model in self.models:
             model.zero_grad_buffer()
         self.optimizer.zero_grad()
+        with _deterministic(self.config.deterministic):
+            return self._step(train_batch, micros, parts, scale, tokens_total, seqs_total, device)
+
+    def _step(self, train_batch, micros, parts, scale, tokens_total, seqs_total, device) -> dict[str, Any]:
+        import torch.distributed as dist
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from harness.logprobs.megatron import _shift_to_tokens
+        from harness.logprobs.vocab_parallel import vocab_parallel_logprobs
+
+        ps = self.ps
+        n_micro = self.config.micro_batches
+        local_losses: dict[int, torch.Tensor] = {}
 
         def forward_step(data_iterator, model):
             index = next(data_iterator)
@@ -239,6 +249,21 @@ class PolicyWorker:
         from harness.bridge import export_hf_state_dict
 
         return export_hf_state_dict(self.models)
+
+
+@contextmanager
+def _deterministic(on: bool) -> Iterator[None]:
+    """torch's deterministic algorithms for the duration (the rank's previous setting after):
+    bit-exact resume checks on CUDA need them, as atomics make e.g. embedding backward vary."""
+    if not on:
+        yield
+        return
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 def train_steps(layout, path, train_batches: list[RLTrainBatch],
