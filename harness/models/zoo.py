@@ -115,6 +115,13 @@ def _build_zoo() -> dict[str, ZooModel]:
         entries.append(_tiny("tiny-qwen2", Qwen2Config, "Qwen2 (QKV bias)", tied))
         entries.append(_tiny("tiny-qwen3", Qwen3Config, "Qwen3 (QK-norm)", tied))
         entries.append(_tiny("tiny-llama", LlamaConfig, "Llama", tied))
+    # Full multi-head attention (4 KV heads): TP4 is valid, so 4-GPU suites reach every layout.
+    entries.append(ZooModel(
+        name="tiny-qwen3-kv4",
+        config_class=Qwen3Config,
+        config_kwargs={**_TINY_SHAPE, "num_key_value_heads": 4, "tie_word_embeddings": False},
+        description=f"tiny Qwen3 (QK-norm) with 4 KV heads (TP4-valid), untied lm_head, vocab {TINY_VOCAB_SIZE}",
+    ))
     entries.append(ZooModel(
         name="qwen3-0.6b-shape",
         config_class=Qwen3Config,

@@ -6,7 +6,7 @@ import pytest
 from harness.models import TINY_VOCAB_SIZE
 from harness.training import make_rl_train_batch
 
-MODEL = "tiny-qwen3"
+MODEL = "tiny-qwen3-kv4"  # 4 KV heads: every layout of 4 GPUs (TP4 included) is valid
 CONFIG = dict(lr=1e-3, weight_decay=0.01, clip_grad=1.0, eps=1e-6, micro_batches=2,
               loss_kwargs=dict(kl_coef=0.05, clip_eps_high=0.28))
 K_STEPS = 2
