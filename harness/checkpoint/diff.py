@@ -200,6 +200,7 @@ class CheckpointDiff:
     common: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # common entry -> (A's, B's)
     objects_a: list[str] = field(default_factory=list)  # sharded objects: listed, not compared
     objects_b: list[str] = field(default_factory=list)
+    vocab_trimmed: list[str] = field(default_factory=list)  # compared on the true-vocab rows only
     rtol: float = 0.0
     atol: float = 0.0
 
@@ -236,17 +237,28 @@ class CheckpointDiff:
         return {"a": self.a, "b": self.b, "ok": self.ok, "equal": self.equal, "missing": self.missing,
                 "extra": self.extra, "mismatched": dict(self.largest()),
                 "common": {k: [_jsonable(v) for v in pair] for k, pair in self.common.items()},
-                "objects_a": self.objects_a, "objects_b": self.objects_b, "rtol": self.rtol, "atol": self.atol}
+                "objects_a": self.objects_a, "objects_b": self.objects_b,
+                "vocab_trimmed": self.vocab_trimmed, "rtol": self.rtol, "atol": self.atol}
 
 
 def _jsonable(value: Any) -> Any:
     return value if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
 
 
+def _vocab_rows(a: torch.Tensor, b: torch.Tensor, vocab_size: int | None):
+    """Megatron pads the vocab dimension to a multiple of 128 * TP, so embedding / output-layer
+    tensors (and their optimizer state) of two layouts can differ in rows past the true vocab. Those
+    rows are no model state: compare the first `vocab_size` rows only. None: not such a pair."""
+    if (vocab_size is None or a.dim() == 0 or a.shape[1:] != b.shape[1:] or a.shape[0] == b.shape[0]
+            or min(a.shape[0], b.shape[0]) < vocab_size):
+        return None
+    return a[:vocab_size], b[:vocab_size]
+
+
 def diff_state(tensors_a: dict[str, torch.Tensor], tensors_b: dict[str, torch.Tensor],
                common_a: dict[str, Any] | None = None, common_b: dict[str, Any] | None = None, *,
                rtol: float = 0.0, atol: float = 0.0, include: Iterable[str] | None = None,
-               exclude: Iterable[str] = ()) -> CheckpointDiff:
+               exclude: Iterable[str] = (), vocab_size: int | None = None) -> CheckpointDiff:
     """The comparison itself, on loaded tensors and common dicts (see `diff_checkpoints`)."""
     include = None if include is None else tuple(include)
     exclude = tuple(exclude)
@@ -254,7 +266,11 @@ def diff_state(tensors_a: dict[str, torch.Tensor], tensors_b: dict[str, torch.Te
     keys_b = {k for k in tensors_b if _selected(k, include, exclude)}
     result = CheckpointDiff(missing=sorted(keys_a - keys_b), extra=sorted(keys_b - keys_a), rtol=rtol, atol=atol)
     for key in sorted(keys_a & keys_b):
-        info = compare_tensor(tensors_a[key], tensors_b[key], rtol=rtol, atol=atol)
+        pair = _vocab_rows(tensors_a[key], tensors_b[key], vocab_size)
+        if pair is not None:
+            result.vocab_trimmed.append(key)
+        a, b = pair if pair is not None else (tensors_a[key], tensors_b[key])
+        info = compare_tensor(a, b, rtol=rtol, atol=atol)
         if info is None:
             result.equal += 1
         else:
@@ -267,14 +283,29 @@ def diff_state(tensors_a: dict[str, torch.Tensor], tensors_b: dict[str, torch.Te
     return result
 
 
+def _manifest_vocab(a: str | Path, b: str | Path) -> int | None:
+    """The true vocab size both manifests agree on (None without manifests or when they differ)."""
+    sizes = []
+    for path in (a, b):
+        try:
+            sizes.append(json.loads((Path(path) / "manifest.json").read_text())["model_config"]["vocab_size"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+    return sizes[0] if sizes[0] == sizes[1] else None
+
+
 def diff_checkpoints(a: str | Path, b: str | Path, *, rtol: float = 0.0, atol: float = 0.0,
-                     include: Iterable[str] | None = None, exclude: Iterable[str] = ()) -> CheckpointDiff:
+                     include: Iterable[str] | None = None, exclude: Iterable[str] = (),
+                     vocab_size: int | None | str = "auto") -> CheckpointDiff:
     """Diff checkpoints `a` and `b` as full tensors plus common state; exact unless rtol/atol are set.
 
     `include` / `exclude` are key prefixes (e.g. ``exclude=["optimizer."]`` compares the model only);
-    they apply to tensor keys and to flattened common keys alike. Raises CheckpointError on a path
-    that is not a readable torch_dist checkpoint.
+    they apply to tensor keys and to flattened common keys alike. `vocab_size` ("auto": from the
+    manifests) limits vocab-padded tensors of different TP sizes to the true vocab rows. Raises
+    CheckpointError on a path that is not a readable torch_dist checkpoint.
     """
+    if vocab_size == "auto":
+        vocab_size = _manifest_vocab(a, b)
     loaded = []
     for path in (a, b):
         directory = _check_directory(path)
@@ -283,7 +314,7 @@ def diff_checkpoints(a: str | Path, b: str | Path, *, rtol: float = 0.0, atol: f
         loaded.append((_load(directory, tensor_meta, reader), load_common(directory), objects))
     (tensors_a, common_a, objects_a), (tensors_b, common_b, objects_b) = loaded
     result = diff_state(tensors_a, tensors_b, common_a, common_b, rtol=rtol, atol=atol,
-                        include=include, exclude=exclude)
+                        include=include, exclude=exclude, vocab_size=vocab_size)
     result.a, result.b, result.objects_a, result.objects_b = str(a), str(b), objects_a, objects_b
     return result
 
@@ -298,6 +329,9 @@ def add_arguments(parser) -> None:
                         help="compare only keys with this prefix (repeatable)")
     parser.add_argument("--exclude", action="append", default=[], metavar="PREFIX",
                         help="skip keys with this prefix (repeatable), e.g. optimizer.")
+    parser.add_argument("--vocab-size", type=int, default=None, metavar="N",
+                        help="compare vocab-padded tensors on their first N rows (default: the "
+                             "manifests' vocab size, when both agree)")
     parser.add_argument("--show", type=int, default=20, metavar="N", help="list at most N keys per section (default 20)")
     parser.add_argument("--json", action="store_true", help="print the diff as JSON instead of a table")
 
@@ -306,7 +340,7 @@ def main(args) -> int:
     """Exit 0 when A and B are equal, 1 when they differ, 2 when either is not a readable checkpoint."""
     try:
         result = diff_checkpoints(args.a, args.b, rtol=args.rtol, atol=args.atol, include=args.include,
-                                  exclude=args.exclude)
+                                  exclude=args.exclude, vocab_size=args.vocab_size or "auto")
     except CheckpointError as exc:
         print(f"mrh ckpt diff: {' '.join(str(exc).split())}", file=sys.stderr)  # one line
         return 2

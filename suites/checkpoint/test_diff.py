@@ -201,3 +201,15 @@ def test_optimizer_formats_differ_in_keys_not_in_model_tensors(policy, device, t
     shutil.copy(full / shard.name, shard)
     with pytest.raises(CheckpointError, match="common.pt: unreadable"):
         diff_checkpoints(full, broken)
+
+
+def test_vocab_padding_rows_are_not_model_state():
+    """TP4 pads a 251-row vocab to 512 rows, TP2 to 256: with the true vocab size the diff compares
+    the real rows only, and still sees a difference inside them."""
+    small, large = torch.randn(256, 4), torch.randn(512, 4)
+    large[:251] = small[:251]
+    assert not diff_state({"emb": small}, {"emb": large}).ok  # shapes differ: not comparable
+    trimmed = diff_state({"emb": small}, {"emb": large}, vocab_size=251)
+    assert trimmed.ok and trimmed.vocab_trimmed == ["emb"]
+    large[10, 0] += 1.0
+    assert diff_state({"emb": small}, {"emb": large}, vocab_size=251).mismatched["emb"]["max_abs"] == pytest.approx(1.0)
