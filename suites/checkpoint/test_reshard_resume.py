@@ -147,3 +147,14 @@ def test_dp_reshardable_optimizer_cannot_resume_at_another_tp_pp(policy, device,
     want, got = source.hf_state_dict(), same.hf_state_dict()
     assert all(torch.equal(want[n], got[n]) for n in want)
     assert same.step(train_batch(1)) == source.step(train_batch(1))
+
+
+def test_without_fully_parallel_save_and_load_the_checkpoint_is_the_same(policy, device, source_checkpoint,
+                                                                          tmp_path):
+    """The knobs change who writes and reads which shard, never the content."""
+    src = source_checkpoint("tp2")
+    resumed = policy("pp2", MODEL, **CONFIG)
+    resumed.load(src.directory, fully_parallel_load=False)
+    resumed.save(tmp_path / "serial", fully_parallel_save=False)
+    diff = diff_checkpoints(src.directory, tmp_path / "serial")
+    assert diff.ok and diff.equal > 0, diff.summary()
