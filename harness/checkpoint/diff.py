@@ -26,6 +26,7 @@ from typing import Any, Iterable
 import torch
 
 from harness.checkpoint.errors import CheckpointError
+from harness.checkpoint.manifest import read_manifest
 
 _ABSENT = "<absent>"  # a common entry one side lacks
 
@@ -126,7 +127,10 @@ def load_full_tensors(path: str | Path) -> dict[str, torch.Tensor]:
 
 def load_common(path: str | Path) -> dict[str, Any]:
     """The checkpoint's common state (common.pt), loaded the way Megatron loads it (weights_only)."""
-    path = _check_directory(path)
+    return _load_common(_check_directory(path))
+
+
+def _load_common(path: Path) -> dict[str, Any]:
     try:
         return torch.load(path / "common.pt", map_location="cpu", weights_only=True)
     except Exception as exc:
@@ -285,13 +289,11 @@ def diff_state(tensors_a: dict[str, torch.Tensor], tensors_b: dict[str, torch.Te
 
 def _manifest_vocab(a: str | Path, b: str | Path) -> int | None:
     """The true vocab size both manifests agree on (None without manifests or when they differ)."""
-    sizes = []
-    for path in (a, b):
-        try:
-            sizes.append(json.loads((Path(path) / "manifest.json").read_text())["model_config"]["vocab_size"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-    return sizes[0] if sizes[0] == sizes[1] else None
+    try:
+        sizes = {read_manifest(path).model_config.get("vocab_size") for path in (a, b)}
+    except CheckpointError:  # a plain dist checkpoint, without our manifest
+        return None
+    return sizes.pop() if len(sizes) == 1 else None
 
 
 def diff_checkpoints(a: str | Path, b: str | Path, *, rtol: float = 0.0, atol: float = 0.0,
@@ -311,7 +313,7 @@ def diff_checkpoints(a: str | Path, b: str | Path, *, rtol: float = 0.0, atol: f
         directory = _check_directory(path)
         reader, metadata = _read_metadata(directory)
         tensor_meta, objects = _split_entries(metadata)
-        loaded.append((_load(directory, tensor_meta, reader), load_common(directory), objects))
+        loaded.append((_load(directory, tensor_meta, reader), _load_common(directory), objects))
     (tensors_a, common_a, objects_a), (tensors_b, common_b, objects_b) = loaded
     result = diff_state(tensors_a, tensors_b, common_a, common_b, rtol=rtol, atol=atol,
                         include=include, exclude=exclude, vocab_size=vocab_size)

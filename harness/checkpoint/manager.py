@@ -22,7 +22,6 @@ from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.manifest import Manifest, file_table, model_fingerprint, read_manifest, \
     verify_files, write_manifest
 from harness.parallel.layout import parse_layout
-from harness.parallel.state import run_in_layout
 
 OPTIMIZER_FORMATS = rank.OPTIMIZER_FORMATS
 
@@ -53,9 +52,7 @@ def save_checkpoint(policy, directory: str | os.PathLike, *, optimizer_format: s
     partial.mkdir()
     try:
         started = time.perf_counter()
-        run_in_layout(policy.world, policy.layout, rank.save, policy.key, str(partial), optimizer_format,
-                      fully_parallel_save, seed=None)
-        position = policy.position()
+        position = policy.apply(rank.save, str(partial), optimizer_format, fully_parallel_save)[0]
         manifest = Manifest(
             model=str(policy.path), model_config=model_fingerprint(load_hf_config(policy.path)),
             layout=policy.layout.name, world_size=policy.world.size,
@@ -118,8 +115,7 @@ def load_checkpoint(policy, directory: str | os.PathLike, *, load_rng: bool | No
     manifest, restore_rng = check_loadable(policy, directory, load_rng=load_rng,
                                            verify_checksums=verify_checksums)
     started = time.perf_counter()
-    position = run_in_layout(policy.world, policy.layout, rank.load, policy.key, str(directory),
-                             manifest.optimizer_format, fully_parallel_load, restore_rng, variant,
-                             seed=None)[0]
+    position = policy.apply(rank.load, str(directory), manifest.optimizer_format, fully_parallel_load,
+                            restore_rng, variant)[0]
     return {**position, "rng_restored": restore_rng, "load_s": round(time.perf_counter() - started, 4),
             "manifest": manifest}

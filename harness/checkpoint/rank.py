@@ -27,6 +27,11 @@ def _chunks(worker) -> list[torch.nn.Module]:
     return unwrap_model(list(worker.models))
 
 
+def _model_keys(chunks: list) -> list[str]:
+    """Megatron-LM's keys: "model", or "model0", "model1", ... with virtual pipeline chunks."""
+    return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+
+
 def _rng_state() -> dict[str, Any]:
     from megatron.core import tensor_parallel
 
@@ -67,12 +72,11 @@ def sharded_state_dict(worker, optimizer_format: str, *, is_loading: bool,
         raise ValueError(f"unknown optimizer format {optimizer_format!r}; choose from {OPTIMIZER_FORMATS}")
     chunks = _chunks(worker)
     state: dict[str, Any] = {}
-    if len(chunks) == 1:
-        state["model"] = chunks[0].sharded_state_dict()
-    else:
-        for i, chunk in enumerate(chunks):
+    for i, (name, chunk) in enumerate(zip(_model_keys(chunks), chunks)):
+        if len(chunks) > 1:
             ps.set_virtual_pipeline_model_parallel_rank(i)
-            state[f"model{i}"] = chunk.sharded_state_dict()
+        state[name] = chunk.sharded_state_dict()
+    if len(chunks) > 1:
         ps.set_virtual_pipeline_model_parallel_rank(0)
     state["optimizer"] = worker.optimizer.sharded_state_dict(
         state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": optimizer_format})
@@ -170,19 +174,18 @@ def _strategies(directory: str, group, fully_parallel: bool, loading: bool):
     return FullyParallelSaveStrategyWrapper(strategy, group) if fully_parallel else strategy
 
 
-def save(layout, key: str, directory: str, optimizer_format: str, fully_parallel_save: bool) -> None:
-    """Write this rank's part of the policy `key` into `directory` (every rank at once)."""
+def save(worker, directory: str, optimizer_format: str, fully_parallel_save: bool) -> dict[str, int]:
+    """Write this rank's part of `worker` into `directory` (every rank at once, through
+    `PolicyHandle.apply`); returns the data position it saved."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    from harness.training.handles import _worker
-
-    worker = _worker(key)
     state = sharded_state_dict(worker, optimizer_format, is_loading=False)
     group = ps.get_data_parallel_group(with_context_parallel=True)
     dist_checkpointing.save(state, directory,
                             sharded_strategy=_strategies(directory, group, fully_parallel_save, False),
                             content_metadata={"distrib_optim_sharding_type": optimizer_format})
+    return dict(state["position"])
 
 
 # Upstream bugs, shipped as selectable wrong variants of the load (see harness.checkpoint.manager).
@@ -192,26 +195,20 @@ LOAD_VARIANTS = {
 }
 
 
-def load(layout, key: str, directory: str, optimizer_format: str, fully_parallel_load: bool,
+def load(worker, directory: str, optimizer_format: str, fully_parallel_load: bool,
          load_rng: bool, variant: str | None = None) -> dict[str, Any]:
-    """Replace the policy `key`'s whole state by the checkpoint's (every rank at once)."""
+    """Replace `worker`'s whole state by the checkpoint's (every rank at once, through
+    `PolicyHandle.apply`); returns the data position it loaded."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    from harness.training.handles import _worker
-
-    worker = _worker(key)
     _ensure_optimizer_state(worker)
     template = sharded_state_dict(worker, optimizer_format, is_loading=True, with_rng=load_rng)
     group = ps.get_data_parallel_group(with_context_parallel=True)
     loaded = dist_checkpointing.load(template, directory,
                                      sharded_strategy=_strategies(directory, group, fully_parallel_load, True))
-    chunks = _chunks(worker)
-    if len(chunks) == 1:
-        chunks[0].load_state_dict(loaded["model"])
-    else:
-        for i, chunk in enumerate(chunks):
-            chunk.load_state_dict(loaded[f"model{i}"])
+    for name, chunk in zip(_model_keys(_chunks(worker)), _chunks(worker)):
+        chunk.load_state_dict(loaded[name])
     _load_optimizer(worker.optimizer, loaded["optimizer"], unshare_steps=variant != "shared-adam-step")
     worker.scheduler.load_state_dict(loaded["scheduler"])
     worker.steps_done = int(loaded["position"]["steps_done"])

@@ -17,6 +17,7 @@ training loop. The first call seeds Megatron's RNG tracker; later calls leave ev
 from __future__ import annotations
 
 import itertools
+import math
 import os
 from typing import Any, Callable
 
@@ -56,11 +57,8 @@ def _apply(layout: Layout, key: str, fn: Callable[..., Any], args, kwargs) -> An
 
 
 def _drop(layout: Layout, key: str) -> None:
-    worker = _WORKERS.pop(key, None)
-    if worker is not None:
-        del worker
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    if _WORKERS.pop(key, None) is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()  # hand the freed model and optimizer memory back
 
 
 # Rank functions a handle applies to its worker (module-level: they travel by reference).
@@ -149,7 +147,15 @@ class PolicyHandle(_Handle):
 
     def step(self, train_batch) -> dict[str, Any]:
         """One optimizer step on the global batch: loss, grad_norm, lr, micro_batches."""
-        return self.apply(_train_step, train_batch)[0]
+        results = self.apply(_train_step, train_batch)
+        # Every rank reduces the same global loss and grad norm; a rank that disagrees has trained
+        # on something else (a broken group, a wrong shard): fail loudly rather than report rank 0's.
+        for rank, result in enumerate(results[1:], start=1):
+            if not all(math.isclose(result[k], results[0][k], rel_tol=1e-12) for k in ("loss", "grad_norm")):
+                raise RuntimeError(f"rank {rank} reports loss {result['loss']!r}, grad norm "
+                                   f"{result['grad_norm']!r}; rank 0 {results[0]['loss']!r}, "
+                                   f"{results[0]['grad_norm']!r}")
+        return results[0]
 
     def steps(self, train_batches) -> list[dict[str, Any]]:
         return [self.step(tb) for tb in train_batches]

@@ -264,18 +264,3 @@ def _deterministic(on: bool) -> Iterator[None]:
         yield
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
-
-
-def train_steps(layout, path, train_batches: list[RLTrainBatch],
-                config_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Rank function for `run_in_layout`: build a worker, run one step per batch.
-
-    Returns {"steps": [dict(loss, grad_norm, lr), ...], "state": HF state dict on global rank 0
-    (None elsewhere)}.
-    """
-    import torch.distributed as dist
-
-    worker = PolicyWorker(path, PolicyConfig(**config_kwargs), sequence_parallel=layout.sequence_parallel)
-    steps = [worker.train_step(tb) for tb in train_batches]
-    state = worker.export()
-    return {"steps": steps, "state": state if dist.get_rank() == 0 else None}

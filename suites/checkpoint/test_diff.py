@@ -124,21 +124,8 @@ def _batch():
 
 
 def _save(handle, directory, optimizer_format="fully_reshardable"):
-    from harness.checkpoint import rank as ck
-    from harness.parallel.state import run_in_layout
-
-    directory.mkdir()
-    run_in_layout(handle.world, handle.layout, ck.save, handle.key, str(directory), optimizer_format, True,
-                  seed=None)
+    handle.save(directory, optimizer_format=optimizer_format)
     return directory
-
-
-def _load(handle, directory):
-    from harness.checkpoint import rank as ck
-    from harness.parallel.state import run_in_layout
-
-    run_in_layout(handle.world, handle.layout, ck.load, handle.key, str(directory), "fully_reshardable", True,
-                  False, seed=None)
 
 
 def test_resharded_checkpoint_diffs_equal_and_a_trained_one_does_not(policy, device, tmp_path, capsys, report):
@@ -146,7 +133,7 @@ def test_resharded_checkpoint_diffs_equal_and_a_trained_one_does_not(policy, dev
     p.step(_batch())
     tp2 = _save(p, tmp_path / "tp2")
     q = policy("pp2", "tiny-qwen3", micro_batches=2)
-    _load(q, tp2)
+    q.load(tp2)
     pp2 = _save(q, tmp_path / "pp2")
 
     tensors = load_full_tensors(tp2)
