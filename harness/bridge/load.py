@@ -22,6 +22,7 @@ class BridgeInfo:
     hf_path: Path
     model_type: str
     spec: str  # "te" or "local"
+    norm_precision: str  # "hf" (normalize in fp32, round, then scale) or "fused" (round once)
     dtype: torch.dtype
     vocab_size: int  # the HF (true) vocab: slice logits to [..., :vocab_size]
     padded_vocab_size: int  # Megatron's embedding/output rows, summed over TP ranks
@@ -37,6 +38,7 @@ def load_megatron_model(
     make_vocab_size_divisible_by: int = 128,
     spec: SpecChoice = "auto",
     sequence_parallel: bool = False,
+    norm_precision: str = "auto",
     wrap_with_ddp: bool = False,
     ddp_config: Mapping[str, Any] | None = None,
     config_overrides: Mapping[str, Any] | None = None,
@@ -57,7 +59,7 @@ def load_megatron_model(
     path = resolve_model(name_or_path, cache_dir, seed)
     bridge = make_bridge(path, dtype=dtype, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                          spec=spec, sequence_parallel=sequence_parallel,
-                         config_overrides=config_overrides)
+                         norm_precision=norm_precision, config_overrides=config_overrides)
     models = bridge.get_model(
         weight_path=None, fp16=dtype is torch.float16, bf16=dtype is torch.bfloat16,
         wrap_with_ddp=wrap_with_ddp, ddp_config=dict(ddp_config) if ddp_config else None)
@@ -66,6 +68,7 @@ def load_megatron_model(
     bridge.load_weights(chunks, str(path))
     info = BridgeInfo(
         hf_path=path, model_type=bridge.hf_config.model_type, spec=bridge.harness_spec,
+        norm_precision=bridge.harness_norm_precision,
         dtype=dtype, vocab_size=bridge.vocab_size, padded_vocab_size=bridge.padded_vocab_size,
         tied=bridge.harness_tied)
     for chunk in chunks:

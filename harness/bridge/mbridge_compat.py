@@ -32,7 +32,10 @@ behaviour it replaces and why:
    (same forward and weight names) whose weight carries `sequence_parallel` as TE's norms do, so
    Megatron's finalize_model_grads sums its grads over TP under sequence parallelism. With that,
    sequence parallelism works with the local spec too (the other local-spec modules already
-   support it).
+   support it). LocalRMSNorm also rounds as HF and vLLM do (normalize in fp32, round to the
+   activation dtype, then scale by the weight); torch's RMSNorm and TE round once, after the
+   weight, which alone moved bf16 logprobs by up to ~0.05 against HF. `norm_precision="fused"`
+   selects torch's rounding (FusedRMSNorm); the TE spec always has TE's.
 """
 from __future__ import annotations
 
@@ -45,7 +48,7 @@ from typing import Any, Literal, Mapping, Optional
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from harness.bridge.norms import local_block_spec
+from harness.bridge.norms import NORM_PRECISIONS, local_block_spec
 from harness.bridge.versions import (
     check_supported_versions,
     fused_softmax_kernels_available,
@@ -112,8 +115,9 @@ class HarnessBridgeMixin:
     """Overrides for an mbridge LLM bridge; see the module docstring for why each exists."""
 
     def __init__(self, hf_config: PretrainedConfig, *, spec: Literal["te", "local"],
-                 sequence_parallel: bool, **kwargs: Any) -> None:
+                 sequence_parallel: bool, norm_precision: str = "hf", **kwargs: Any) -> None:
         self.harness_spec = spec
+        self.harness_norm_precision = norm_precision
         self.harness_tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         dtype = kwargs.get("dtype", torch.bfloat16)
         # Read by _build_base_config, which mbridge's __init__ calls.
@@ -157,7 +161,7 @@ class HarnessBridgeMixin:
         # mbridge's model provider reads has_vp_stage after calling this method.
         self.has_vp_stage = "vp_stage" in inspect.signature(get_gpt_decoder_block_spec).parameters
         # Override 6: LocalRMSNorm in every norm slot.
-        return local_block_spec(self.config, vp_stage=vp_stage)
+        return local_block_spec(self.config, vp_stage=vp_stage, norm_precision=self.harness_norm_precision)
 
 
 @functools.cache
@@ -165,9 +169,23 @@ def _harness_class(base: type) -> type:
     return type(f"Harness{base.__name__}", (HarnessBridgeMixin, base), {})
 
 
+def resolve_norm_precision(norm_precision: str, spec: Literal["te", "local"]) -> str:
+    """"auto": "hf" on the local spec (LocalRMSNorm rounds as HF and vLLM do), "fused" on the TE
+    spec (TE's norms round once, after the weight; TE offers nothing else)."""
+    if norm_precision == "auto":
+        return "fused" if spec == "te" else "hf"
+    if norm_precision not in NORM_PRECISIONS:
+        raise ValueError(f"norm_precision must be 'auto' or one of {sorted(NORM_PRECISIONS)}, "
+                         f"got {norm_precision!r}")
+    if spec == "te" and norm_precision != "fused":
+        raise ValueError(f"norm_precision={norm_precision!r} needs the local spec: Transformer "
+                         "Engine's norms round as 'fused'")
+    return norm_precision
+
+
 def make_bridge(path: str | Path, *, dtype: torch.dtype = torch.float32,
                 make_vocab_size_divisible_by: int = 128, spec: SpecChoice = "auto",
-                sequence_parallel: bool = False,
+                sequence_parallel: bool = False, norm_precision: str = "auto",
                 config_overrides: Mapping[str, Any] | None = None):
     """An mbridge bridge (with the harness fixes) for the HF checkpoint dir `path`.
 
@@ -190,6 +208,7 @@ def make_bridge(path: str | Path, *, dtype: torch.dtype = torch.float32,
     cls = _harness_class(_MODEL_REGISTRY[hf_config.model_type])
     tp = parallel_state.get_tensor_model_parallel_world_size()
     bridge = cls(hf_config, spec=resolved, sequence_parallel=sequence_parallel, dtype=dtype,
+                 norm_precision=resolve_norm_precision(norm_precision, resolved),
                  make_vocab_size_divisible_by=make_vocab_size_divisible_by * tp)
     if config_overrides:
         bridge.set_extra_args(**config_overrides)

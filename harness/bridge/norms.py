@@ -8,7 +8,12 @@ sequence, so a norm weight's grad on one rank is a partial sum, and Megatron's
 `finalize_model_grads` (`_allreduce_non_tensor_model_parallel_grads`) sums over the TP group the
 grads of exactly the params that carry `param.sequence_parallel = True`. Transformer Engine's
 norms (TENorm) and Megatron's own FusedLayerNorm set that attribute to `config.sequence_parallel`;
-`LocalRMSNorm` does the same, and is otherwise torch.nn.RMSNorm (same forward, same `weight`).
+`LocalRMSNorm` does the same, and is otherwise torch.nn.RMSNorm (same `weight`) with HF's
+precision policy in its forward: normalize in float32, round to the activation dtype, then multiply
+by the weight in that dtype (HF's Llama/Qwen RMSNorm and vLLM's kernel do this; torch's fused
+RMSNorm and Transformer Engine round once, after the weight). In bf16 that one rounding decides
+whether Megatron's logprobs equal HF's bit for bit (tp1, CPU and H100) or differ by up to ~0.05.
+`FusedRMSNorm` keeps torch's forward (`norm_precision="fused"`).
 
 Where the norms sit with sequence parallelism on (s: sequence, b: batch, tp: TP size):
 - input_layernorm, pre_mlp_layernorm, final_layernorm: input [s/tp, b, h], sequence-sharded; the
@@ -61,6 +66,25 @@ class LocalRMSNorm(torch.nn.RMSNorm):
         self.config = config
         self.sequence_parallel = bool(config.sequence_parallel)
         self.weight.sequence_parallel = self.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # HF's (and vLLM's) precision policy: normalize in float32, round to the activation dtype,
+        # then scale by the weight in that dtype. torch.nn.RMSNorm (and Transformer Engine) round
+        # once, after the weight: in bf16 that alone moved logprobs by up to ~0.05 against HF.
+        normalized = x.float()
+        normalized = normalized * torch.rsqrt(normalized.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normalized.to(x.dtype)
+
+
+class FusedRMSNorm(LocalRMSNorm):
+    """torch.nn.RMSNorm's own forward: one rounding, after the weight (the "fused" policy, as
+    Transformer Engine's norms compute)."""
+
+    forward = torch.nn.RMSNorm.forward
+
+
+# The local spec's norm precision policies (the TE spec has TE's norms, which round as "fused").
+NORM_PRECISIONS: dict[str, type] = {"hf": LocalRMSNorm, "fused": FusedRMSNorm}
 
 
 def _stock_norm_classes() -> tuple[type, ...]:
@@ -141,9 +165,16 @@ def norm_slots(block_spec: Any) -> Iterator[tuple[str, Any]]:
     yield "layer_norm", block_spec.layer_norm
 
 
+def norm_class(norm_precision: str) -> type:
+    if norm_precision not in NORM_PRECISIONS:
+        raise ValueError(f"norm_precision must be one of {sorted(NORM_PRECISIONS)}, got {norm_precision!r}")
+    return NORM_PRECISIONS[norm_precision]
+
+
 def local_block_spec(config: Any, *, vp_stage: Optional[int] = None,
-                     pp_rank: Optional[int] = None) -> Any:
-    """Megatron's local-spec GPT decoder block spec for `config`, with LocalRMSNorm as every norm.
+                     pp_rank: Optional[int] = None, norm_precision: str = "hf") -> Any:
+    """Megatron's local-spec GPT decoder block spec for `config`, with our RMSNorm as every norm:
+    LocalRMSNorm (norm_precision "hf", the default) or FusedRMSNorm ("fused").
 
     `pp_rank` defaults to Megatron's parallel state (as in get_gpt_decoder_block_spec); pass it to
     build a spec without an initialized parallel state.
@@ -160,4 +191,4 @@ def local_block_spec(config: Any, *, vp_stage: Optional[int] = None,
         extra["pp_rank"] = pp_rank
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                       normalization=config.normalization, **extra)
-    return use_local_norms(spec)
+    return use_local_norms(spec, norm_class(norm_precision))
