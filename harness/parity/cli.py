@@ -9,10 +9,12 @@ import json
 import sys
 import time
 
+from harness.bridge.mbridge_compat import resolve_norm_precision, resolve_spec
 from harness.launch import WorldPool
 from harness.parallel.layout import LayoutError, parse_layout_list, resolve, validate
-from harness.parity.runner import DTYPES, ParityCase, prepare_model, run_parity
-from harness.parity.variants import VariantError, check_variant
+from harness.parity.runner import DTYPES, REFERENCES, ParityCase, prepare_model, run_parity
+from harness.parity.variants import check_variant
+from harness.variants import VariantError
 
 
 def add_arguments(parser) -> None:
@@ -20,7 +22,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--layouts", default="tp1,tp2,pp2", help="comma list, e.g. tp1,tp2,pp2,tp2pp2 (default tp1,tp2,pp2)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--variant", default=None, help="a negative-control variant (must then fail)")
+    parser.add_argument("--variant", default=None, help="a wrong variant from the catalog (mrh repro --list); it must fail")
+    parser.add_argument("--reference", choices=REFERENCES, default="arranged",
+                        help="HF reference arithmetic: 'arranged' rounds where Megatron does (default), "
+                             "'plain' is HF's eager forward as is (approximate regime)")
+    parser.add_argument("--norm-precision", choices=("auto", "hf", "fused"), default="auto",
+                        help="Megatron RMSNorm rounding (local spec): 'hf' (auto) or torch's 'fused'")
     parser.add_argument("--cache-dir", default=None, help="where zoo models are materialized")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per layout before stacks are dumped")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
@@ -34,12 +41,13 @@ def _preflight(args) -> list:
     """Every input checked before any rank starts: one clear error, exit 2."""
     layouts = parse_layout_list(args.layouts)
     _, config = prepare_model(args.model, args.cache_dir)
+    resolve_norm_precision(args.norm_precision, resolve_spec("auto"))
     resolved = []
     for layout in layouts:
         size = layout.world_size
         layout = resolve(layout, size)
         validate(layout, size, config)
-        check_variant(args.variant, layout, bool(getattr(config, "tie_word_embeddings", False)))
+        check_variant(args.variant, layout, config)
         resolved.append(layout)
     return resolved
 
@@ -57,7 +65,9 @@ def main(args) -> int:
             _log(f"[{i}/{len(layouts)}] {args.model} {layout} {args.dtype} on {layout.world_size} {args.device} rank(s) ...")
             start = time.perf_counter()
             world = pool.get(layout.world_size, args.device)
-            result = run_parity(world, ParityCase(args.model, layout, args.dtype, args.variant),
+            case = ParityCase(args.model, layout, args.dtype, args.variant,
+                              norm_precision=args.norm_precision, reference=args.reference)
+            result = run_parity(world, case,
                                 cache_dir=args.cache_dir, suite="parity", test="mrh parity")
             results.append(result)
             _log(f"      {'PASS' if result.passed else 'FAIL'} in {time.perf_counter() - start:.1f}s: {result.summary()}")
@@ -74,10 +84,11 @@ def main(args) -> int:
 
 
 def _table(rows) -> str:
-    header = f"{'layout':<12} {'metric':<22} {'value':>12} {'tolerance':>11}  result"
+    header = f"{'layout':<12} {'regime':<12} {'metric':<22} {'value':>12} {'tolerance':>11}  result"
     lines = [header, "-" * len(header)]
     for row in rows:
         sign = ">=" if row.extra.get("tolerance_kind") == "min" else "<="
-        lines.append(f"{row.layout:<12} {row.metric:<22} {row.value:>12.4g} {sign}{row.tolerance:>9.6g}  "
+        lines.append(f"{row.layout:<12} {row.extra.get('regime', ''):<12} {row.metric:<22} {row.value:>12.4g} "
+                     f"{sign}{row.tolerance:>9.6g}  "
                      f"{'pass' if row.passed else 'FAIL'}")
     return "\n".join(lines)

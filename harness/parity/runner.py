@@ -16,11 +16,13 @@ from typing import Any
 import torch
 
 from harness.data.rl_batch import RLBatch, standard_parity_batch
+from harness.bridge.mbridge_compat import resolve_norm_precision, resolve_spec
 from harness.parallel.layout import Layout, parse_layout, resolve, validate
 from harness.parallel.state import run_in_layout
 from harness.parity.metrics import compare_logprobs, top1_agreement
-from harness.parity.tolerances import check
-from harness.parity.variants import apply_variant, check_variant
+from harness.parity.tolerances import CheckResult, check, regime
+from harness.tolerance import separation
+from harness.parity.variants import FORCED_PACKING, apply_variant, check_variant
 from harness.report import Row
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -35,6 +37,11 @@ class ParityCase:
     micro_batches: int | None = None  # default: 2 per pipeline stage (1 without PP)
     batch_seed: int = 0
     packing: str = "right"  # "right" (remove left padding) or "packed" (see harness.logprobs.megatron)
+    norm_precision: str = "auto"  # Megatron's RMSNorm rounding: "hf" on the local spec (see harness.bridge.norms)
+    reference: str = "arranged"  # HF rounding like Megatron (harness.logprobs.arithmetic), or "plain" eager
+
+
+REFERENCES = ("arranged", "plain")
 
 
 @dataclass
@@ -42,17 +49,24 @@ class ParityResult:
     case: ParityCase
     layout: Layout
     device: str
+    regime: str  # "exact" or "approximate" (harness.parity.tolerances.regime)
+    norm_precision: str  # Megatron's RMSNorm rounding, resolved ("hf" or "fused")
     metrics: dict[str, float]
-    checks: list[tuple[str, float, Any, bool]]
+    checks: list[CheckResult]
     rows: list[Row] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
         return all(ok for *_, ok in self.checks)
 
+    @property
+    def separation(self) -> float:
+        """How far the worst metric is past its bound (harness.tolerance.separation)."""
+        return separation(self.checks)
+
     def summary(self) -> str:
         parts = [f"{m}={v:.3g} ({'ok' if ok else 'FAIL'} vs {t.limit:g})" for m, v, t, ok in self.checks]
-        what = f"{self.case.model} {self.layout} {self.case.dtype} {self.device}"
+        what = f"{self.case.model} {self.layout} {self.case.dtype} {self.device} ({self.regime})"
         if self.case.packing != "right":
             what += f" packing={self.case.packing}"
         if self.case.variant:
@@ -70,12 +84,18 @@ def _micro_batches(case: ParityCase, layout: Layout, rows_per_dp: int) -> int:
 
 
 # ----------------------------------------------------------------------------- rank-side
-def _hf_reference(path: str, dtype: torch.dtype, batch: RLBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def _hf_reference(path: str, dtype: torch.dtype, batch: RLBatch,
+                  arranged_tp: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF logprobs and top-1: arranged to round like Megatron at TP `arranged_tp`, or plain eager
+    HF when None."""
     from harness.launch import context
+    from harness.logprobs.arithmetic import arrange_like_megatron
     from harness.logprobs.hf import hf_token_outputs
     from harness.models import build_hf_model
 
     model = build_hf_model(path, dtype=dtype).to(context().device)
+    if arranged_tp is not None:
+        arrange_like_megatron(model, tp=arranged_tp)
     device_batch = batch.to(context().device)
     with torch.no_grad():
         logprobs, top1 = hf_token_outputs(model, device_batch)
@@ -84,18 +104,20 @@ def _hf_reference(path: str, dtype: torch.dtype, batch: RLBatch) -> tuple[torch.
 
 
 def _rank_parity(layout: Layout, path: str, dtype: torch.dtype, batch: RLBatch, micro_batches: int,
-                 variant: str | None, packing: str, want_hf: bool):
+                 variant: str | None, packing: str, norm_precision: str, want_hf: bool,
+                 arranged_tp: int | None):
     import torch.distributed as dist
 
     from harness.bridge import load_megatron_model
     from harness.logprobs.megatron import megatron_logprobs
 
-    models = load_megatron_model(path, dtype=dtype, sequence_parallel=layout.sequence_parallel)
+    models = load_megatron_model(path, dtype=dtype, sequence_parallel=layout.sequence_parallel,
+                                 norm_precision=norm_precision)
     apply_variant(variant, models)
     with torch.no_grad():
         result = megatron_logprobs(models, batch, micro_batches=micro_batches, packing=packing)
     del models
-    hf = _hf_reference(path, dtype, batch) if want_hf and dist.get_rank() == 0 else None
+    hf = _hf_reference(path, dtype, batch, arranged_tp) if want_hf and dist.get_rank() == 0 else None
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -118,20 +140,28 @@ def run_parity(world, case: ParityCase, *, device: str | None = None, batch: RLB
     device = device or world.device
     if case.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {case.dtype!r}")
+    if case.reference not in REFERENCES:
+        raise ValueError(f"reference must be one of {REFERENCES}, got {case.reference!r}")
     layout = case.layout if isinstance(case.layout, Layout) else parse_layout(case.layout)
     layout = resolve(layout, world.size)
     path, config = prepare_model(case.model, cache_dir)
     validate(layout, world.size, config)
-    variant = check_variant(case.variant, layout, bool(getattr(config, "tie_word_embeddings", False)))
+    check_variant(case.variant, layout, config)
     batch = batch if batch is not None else standard_parity_batch(config.vocab_size, seed=case.batch_seed)
     batch.validate(config.vocab_size)
     micro = _micro_batches(case, layout, batch.batch_size // layout.dp)
 
-    key = (str(path), case.dtype, device, _batch_key(batch))
+    spec = resolve_spec("auto")
+    norm_precision = resolve_norm_precision(case.norm_precision, spec)
+    arithmetic = regime(layout, reference=case.reference, spec=spec, norm_precision=norm_precision)
+    # The arranged reference rounds its row-parallel sums like the layout's TP: one per TP size.
+    arranged_tp = layout.tp if case.reference == "arranged" else None
+    key = (str(path), case.dtype, device, _batch_key(batch), arranged_tp)
     cached = (hf_cache or {}).get(key)
     results = run_in_layout(
         world, layout, _rank_parity, str(path), DTYPES[case.dtype], batch, micro, case.variant,
-        (variant.packing if variant and variant.packing else case.packing), cached is None,
+        FORCED_PACKING.get(case.variant, case.packing), norm_precision,
+        cached is None, arranged_tp,
     )
     from harness.logprobs.megatron import assemble
 
@@ -143,8 +173,8 @@ def run_parity(world, case: ParityCase, *, device: str | None = None, batch: RLB
     mask = batch.response_mask
     metrics = compare_logprobs(hf_lp, megatron_lp, mask)
     metrics["top1_agreement"] = top1_agreement(hf_top, megatron_top1, mask)
-    checks = check(metrics, case.dtype)
-    result = ParityResult(case, layout, device, metrics, checks)
+    checks = check(metrics, case.dtype, arithmetic)
+    result = ParityResult(case, layout, device, arithmetic, norm_precision, metrics, checks)
     result.rows = _rows(result, suite, test, str(case.model))
     return result
 
@@ -156,7 +186,8 @@ def _batch_key(batch: RLBatch) -> int:
 
 def _rows(result: ParityResult, suite: str, test: str, model: str) -> list[Row]:
     extra = {"variant": result.case.variant, "packing": result.case.packing,
-             "tokens": result.metrics.get("tokens")}
+             "tokens": result.metrics.get("tokens"), "regime": result.regime,
+             "reference": result.case.reference, "norm_precision": result.norm_precision}
     return [
         Row(suite=suite, test=test, layout=result.layout.name, metric=metric, value=float(value),
             tolerance=tol.limit, passed=bool(ok), model=model, dtype=result.case.dtype,

@@ -1,64 +1,25 @@
-"""Negative controls: shipped wrong variants of the Megatron side that the parity check must catch.
+"""The parity check's wrong variants, implemented: bridge (weights) and logprobs (feeding) entries
+of the catalog (`harness.variants`, which says what each is and why).
 
-Each variant reproduces a real class of bridge/runtime bug. The parity suite proves each one fails
-the check, so a passing parity run means something (the suite is sensitive), and the measured Δ of
-each variant goes into the report.
+Rank-side: `apply_variant(id, models)` makes freshly loaded chunks wrong in that way, on every rank
+at once (some variants communicate over the tensor-parallel group).
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from harness.parallel.layout import Layout
+from harness.variants import require
+
+# A variant that changes how the batch is fed, not the weights (see harness.logprobs.megatron).
+FORCED_PACKING = {"unmasked-padding": "none"}
 
 
-@dataclass(frozen=True)
-class Variant:
-    name: str
-    description: str
-    applies: Callable[[Layout, bool], str | None]  # (layout, tied) -> None or why it does not apply
-    packing: str | None = None  # forces how the batch is fed (see harness.logprobs.megatron)
-
-
-def _always(layout: Layout, tied: bool) -> str | None:
-    return None
-
-
-def _tied_under_pp(layout: Layout, tied: bool) -> str | None:
-    if not tied or layout.pp < 2:
-        return "needs a tied-embedding model and pp >= 2 (only then does the last stage keep its own copy)"
-    return None
-
-
-VARIANTS: dict[str, Variant] = {v.name: v for v in (
-    Variant("swapped-gate-up", "SwiGLU gate and up projections swapped in every MLP", _always),
-    Variant("wrong-rope-base", "RoPE base 100x the checkpoint's (e.g. 1e6 instead of 1e4)", _always),
-    Variant("scaled-norm", "layer 0 input norm weight scaled by 1.01", _always),
-    Variant("unmasked-padding", "padded rows fed as they are: left pads visible, positions shifted",
-            _always, packing="none"),
-    Variant("unsynced-tied-embedding",
-            "tied model under PP: the last stage's output-layer copy of the embedding not loaded "
-            "(mbridge PR 14)", _tied_under_pp),
-)}
-
-
-class VariantError(ValueError):
-    """An unknown variant, or one that does not apply to the model/layout."""
-
-
-def check_variant(name: str | None, layout: Layout, tied: bool) -> Variant | None:
-    """The variant, after checking it exists and applies (parent-side, before any work)."""
-    if name is None:
-        return None
-    if name not in VARIANTS:
-        raise VariantError(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
-    why_not = VARIANTS[name].applies(layout, tied)
-    if why_not:
-        raise VariantError(f"variant {name!r} does not apply to layout {layout}: {why_not}")
-    return VARIANTS[name]
+def check_variant(variant_id: str | None, layout, config):
+    """The catalog entry, after checking it is a parity variant that applies (parent side)."""
+    return require(variant_id, check="parity", layout=layout, config=config)
 
 
 # ----------------------------------------------------------------------------- rank-side
@@ -67,6 +28,16 @@ def _params(models: list[torch.nn.Module]):
 
     for chunk in unwrap_model(list(models)):
         yield chunk, dict(chunk.named_parameters())
+
+
+def _layers(models, number: int):
+    """The decoder layer with 1-based global `layer_number` on this rank (none if another stage holds it)."""
+    from mbridge.core.util import unwrap_model
+
+    for chunk in unwrap_model(list(models)):
+        for layer in chunk.decoder.layers:
+            if layer.layer_number == number:
+                yield layer
 
 
 @torch.no_grad()
@@ -86,9 +57,9 @@ def _wrong_rope_base(models) -> None:
     for chunk, _ in _params(models):
         rope = chunk.rotary_pos_emb
         dim = rope.inv_freq.numel() * 2
-        # inv_freq = base^(-2i/dim): 100x the base multiplies each exponent by 100^(-2i/dim).
-        scale = 100.0 ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=rope.inv_freq.device) / dim)
-        rope.inv_freq = (rope.inv_freq.double() * scale).to(rope.inv_freq.dtype)
+        # inv_freq = base^(-2i/dim): a base 1.01x multiplies each by 1.01^(-2i/dim).
+        exponent = -torch.arange(0, dim, 2, dtype=torch.float64, device=rope.inv_freq.device) / dim
+        rope.inv_freq = (rope.inv_freq.double() * 1.01 ** exponent).to(rope.inv_freq.dtype)
     RotaryEmbedding.forward.cache_clear()  # freqs are memoized per (module, length)
 
 
@@ -106,6 +77,40 @@ def _scale_norm(models) -> None:
 
 
 @torch.no_grad()
+def _skip_layer(models) -> None:
+    """Global layer 1 (layer_number 2) as Megatron initializes it when nothing is loaded:
+    weights ~ N(0, init_method_std), norm weights 1, biases 0."""
+    from megatron.core import parallel_state as ps
+
+    for layer in _layers(models, number=2):
+        std = layer.config.init_method_std
+        generator = torch.Generator().manual_seed(1000 + ps.get_tensor_model_parallel_rank())
+        for name, param in sorted(layer.named_parameters()):
+            if name.endswith("bias"):
+                param.zero_()
+            elif "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.copy_((torch.randn(param.shape, generator=generator) * std).to(param.dtype))
+
+
+@torch.no_grad()
+def _swap_tp_shards(models) -> None:
+    """Every linear_fc1 weight: this rank takes the shard of the mirrored TP rank (tp-1-r)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    group, rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
+    size = ps.get_tensor_model_parallel_world_size()
+    for _, params in _params(models):
+        for name, weight in sorted(params.items()):
+            if name.endswith("mlp.linear_fc1.weight"):
+                shards = [torch.empty_like(weight) for _ in range(size)]
+                dist.all_gather(shards, weight.contiguous(), group=group)
+                weight.copy_(shards[size - 1 - rank])
+
+
+@torch.no_grad()
 def _unsync_tied_embedding(models) -> None:
     for chunk, params in _params(models):
         if getattr(chunk, "post_process", False) and not getattr(chunk, "pre_process", True):
@@ -115,16 +120,18 @@ def _unsync_tied_embedding(models) -> None:
             weight.copy_(fresh.to(weight.dtype))
 
 
-_APPLY: dict[str, Callable] = {
+IMPLEMENTED: dict[str, Callable] = {
     "swapped-gate-up": _swap_gate_up,
     "wrong-rope-base": _wrong_rope_base,
     "scaled-norm": _scale_norm,
-    "unmasked-padding": lambda models: None,  # acts on the input, see Variant.packing
+    "skipped-layer": _skip_layer,
+    "swapped-tp-shards": _swap_tp_shards,
     "unsynced-tied-embedding": _unsync_tied_embedding,
+    "unmasked-padding": lambda models: None,  # acts on the input, see FORCED_PACKING
 }
 
 
-def apply_variant(name: str | None, models: list[torch.nn.Module]) -> None:
-    """Make `models` wrong in the way `name` says (rank-side, after loading the weights)."""
-    if name is not None:
-        _APPLY[name](models)
+def apply_variant(variant_id: str | None, models: list[torch.nn.Module]) -> None:
+    """Make `models` wrong in the way `variant_id` says (rank-side, after loading the weights)."""
+    if variant_id is not None:
+        IMPLEMENTED[variant_id](models)

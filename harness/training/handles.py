@@ -23,9 +23,10 @@ from typing import Any, Callable
 
 import torch
 
-from harness.models import resolve_model
+from harness.models import load_hf_config, resolve_model
 from harness.parallel.layout import Layout, resolve
 from harness.parallel.state import DEFAULT_SEED, as_layout, run_in_layout
+from harness.variants import require
 
 # ----------------------------------------------------------------------------- rank side
 _WORKERS: dict[str, Any] = {}  # this rank's live workers, by handle key
@@ -141,6 +142,8 @@ class PolicyHandle(_Handle):
         if unknown:
             raise TypeError(f"unknown PolicyConfig field(s) {unknown}")
         super().__init__(world, layout, model, seed)
+        require(config.get("variant"), check="training", layout=self.layout,
+                config=load_hf_config(self.path))
         self.config = dict(config)
         run_in_layout(world, self.layout, _create_policy, self.key, self.path, self.config,
                       model=self.path, seed=seed)

@@ -32,6 +32,7 @@ import torch
 
 from harness.training.loss import loss_counts, rl_loss
 from harness.training.rl_data import RLTrainBatch
+from harness.variants import require
 
 
 @dataclass
@@ -52,18 +53,11 @@ class PolicyConfig:
     dropout: float = 0.0  # hidden and attention dropout (RNG-dependent training when > 0)
     deterministic: bool = False  # deterministic kernels in the step (CUDA: e.g. embedding backward)
     loss_kwargs: dict[str, Any] = field(default_factory=dict)  # to rl_loss
-    variant: str | None = None  # a shipped upstream bug, see VARIANTS
+    variant: str | None = None  # a training variant of the catalog (harness.variants)
 
 
-# Upstream bugs, shipped as selectable wrong variants of this worker (shared notes, upstream-bugs).
-VARIANTS = {
-    # SkyRL PR 223 follow-up: finalize_model_grads_func left unset, so data-parallel gradients are
-    # never reduced (each rank steps on its own shard's gradients).
-    "no-finalize-grads": "finalize_model_grads not wired: DP gradients never reduced",
-    # NeMo-RL PR 1426: gradients (and so the grad norm) multiplied by the micro-batch count, here
-    # by compensating Megatron's loss /= num_microbatches twice.
-    "grad-times-microbatches": "gradients scaled by the micro-batch count",
-}
+# The training variants of the catalog (harness.variants) this worker implements.
+IMPLEMENTED = ("no-finalize-grads", "grad-times-microbatches")
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -91,8 +85,7 @@ class PolicyWorker:
             if not hasattr(config, key):
                 raise TypeError(f"unknown PolicyConfig field {key!r}")
             setattr(config, key, value)
-        if config.variant is not None and config.variant not in VARIANTS:
-            raise ValueError(f"unknown policy variant {config.variant!r}; choose from {sorted(VARIANTS)}")
+        require(config.variant, check="training")
         if config.dtype not in DTYPES:
             raise ValueError(f"unknown policy dtype {config.dtype!r}; choose from {sorted(DTYPES)}")
         if not 0.0 <= config.dropout < 1.0:
@@ -249,6 +242,63 @@ class PolicyWorker:
         from harness.bridge import export_hf_state_dict
 
         return export_hf_state_dict(self.models)
+
+    @torch.no_grad()
+    def _full_main_params(self) -> dict[torch.nn.Parameter, torch.Tensor]:
+        """Each model parameter's float32 main parameter, whole. Each data-parallel rank holds a
+        slice of every main parameter: the slices are summed over DP. Every rank walks the same
+        parameters in the same order (its optimizer knows only those its slice touches), so the
+        all-reduces pair up."""
+        import torch.distributed as dist
+
+        group = self.ps.get_data_parallel_group()
+        optimizers = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        full_params = {}
+        for param in (p for model in self.models for p in model.parameters()):
+            full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+            for dist_opt in optimizers:
+                if param in dist_opt.model_param_group_index_map:
+                    main = dist_opt._get_main_param_and_optimizer_states(param)["param"]
+                    span = dist_opt._get_model_param_range_map(param)["param"]
+                    full[span.start:span.end] = main.detach().float().view(-1)
+            dist.all_reduce(full, group=group)
+            full_params[param] = full.view(param.shape)
+        return full_params
+
+    @torch.no_grad()
+    def replica_divergence(self) -> float:
+        """The largest |difference| between float32 main copies of one parameter held by several
+        ranks: the tensor-parallel replicas of every parameter TP does not split (norms, row-parallel
+        biases) and, for tied embeddings under PP, the first and last stage's copies. Exactly 0 when
+        training is right: every replica gets the same all-reduced gradient and the same update. A
+        missing reduction (finalize_model_grads unset) lets the replicas drift apart, which no
+        comparison of one rank's weights with a ground truth sees in bf16."""
+        import torch.distributed as dist
+        from mbridge.core.util import unwrap_model
+
+        ps = self.ps
+        full = self._full_main_params()
+        worst = torch.zeros((), dtype=torch.float64)
+
+        def spread(value: torch.Tensor, group, size: int) -> None:
+            copies = [torch.empty_like(value) for _ in range(size)]
+            dist.all_gather(copies, value.contiguous(), group=group)
+            for copy in copies[1:]:
+                worst.copy_(torch.maximum(worst, (copy - copies[0]).abs().max().double().cpu()))
+
+        tp = ps.get_tensor_model_parallel_world_size()
+        if tp > 1:
+            for param, value in full.items():
+                if not getattr(param, "tensor_model_parallel", False):
+                    spread(value, ps.get_tensor_model_parallel_group(), tp)
+        if ps.get_pipeline_model_parallel_world_size() > 1 and ps.is_rank_in_embedding_group():
+            for chunk in unwrap_model(list(self.models)):
+                if chunk.share_embeddings_and_output_weights and (chunk.pre_process or chunk.post_process):
+                    group = ps.get_embedding_group()
+                    spread(full[chunk.shared_embedding_or_output_weight()], group, dist.get_world_size(group))
+        result = worst.to(full[next(iter(full))].device)
+        dist.all_reduce(result, op=dist.ReduceOp.MAX)
+        return float(result)
 
 
 @contextmanager

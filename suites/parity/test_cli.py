@@ -31,11 +31,20 @@ def test_parity_exits_1_on_a_negative_control():
     assert "FAIL" in done.stdout
 
 
+def test_a_one_percent_norm_scale_fails_bf16_parity():
+    """Issue 11's report: this exited 0 when HF and Megatron rounded their norms differently."""
+    done = _mrh("--layouts", "tp2", "--dtype", "bf16", "--variant", "scaled-norm")
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "exact" in done.stdout and "FAIL" in done.stdout
+
+
 @pytest.mark.parametrize("args, message", [
     (["--layouts", "tp3"], "tp=3 does not divide num_attention_heads=4"),
     (["--model", "/no/such/model"], "not a zoo name"),
     (["--layouts", "tp2", "--variant", "unsynced-tied-embedding"], "needs a tied-embedding model"),
     (["--variant", "nope"], "unknown variant"),
+    (["--variant", "no-finalize-grads"], "is a training variant"),
+    (["--norm-precision", "sloppy"], "invalid choice"),
 ])
 def test_bad_input_is_one_clear_error_with_exit_2(args, message):
     done = _mrh(*args)

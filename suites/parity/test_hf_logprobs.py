@@ -171,6 +171,7 @@ def test_bf16_is_close_to_fp32(name):
     fp32 = hf_logprobs(_model(name), batch)
     bf16 = hf_logprobs(_model(name, torch.bfloat16), batch)
     metrics = compare_logprobs(fp32, bf16, batch.response_mask)
-    assert metrics["max_abs"] <= tolerance("max_abs", "bf16").limit
-    assert metrics["mean_abs"] <= tolerance("mean_abs", "bf16").limit
+    # Two arithmetics (bf16 vs fp32): the approximate regime's bounds.
+    assert metrics["max_abs"] <= tolerance("max_abs", "bf16", "approximate").limit
+    assert metrics["mean_abs"] <= tolerance("mean_abs", "bf16", "approximate").limit
     assert metrics["max_abs"] > 1e-4  # it really ran in bf16

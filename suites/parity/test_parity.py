@@ -10,8 +10,6 @@ from harness.data.rl_batch import make_rl_batch
 from harness.data.strategies import rl_batches
 from harness.models import TINY_VOCAB_SIZE
 from harness.parity.runner import ParityCase, run_parity
-from harness.parity.tolerances import tolerance
-from harness.parity.variants import VARIANTS
 
 TINY_MODELS = ["tiny-qwen3", "tiny-qwen3-tied", "tiny-qwen2", "tiny-qwen2-tied", "tiny-llama", "tiny-llama-tied"]
 CPU_LAYOUTS = ["tp1", "tp2", "pp2", "dp2", "tp2-sp", "pp2vpp2", "tp2pp2"]
@@ -59,29 +57,34 @@ def test_padding_side_does_not_change_parity(world, device, layout, padding, hf_
     assert result.passed, result.summary()
 
 
-NEGATIVE_CONTROLS = [
-    ("swapped-gate-up", "tiny-qwen3", "tp2"),
-    ("wrong-rope-base", "tiny-qwen3", "tp2"),
-    ("scaled-norm", "tiny-qwen3", "pp2"),
-    ("unmasked-padding", "tiny-qwen3", "tp2"),
-    ("unsynced-tied-embedding", "tiny-qwen3-tied", "pp2"),
-]
+# The arithmetic before issue 11: a plain eager HF reference, torch's fused RMSNorm rounding.
+APPROXIMATE = dict(reference="plain", norm_precision="fused")
 
 
-@pytest.mark.parametrize("variant, model, layout", NEGATIVE_CONTROLS, ids=[v for v, *_ in NEGATIVE_CONTROLS])
-def test_negative_control_fails_parity(world, device, variant, model, layout, hf_cache, report):
-    """Each shipped wrong variant must fail the check (fp32): the suite is sensitive to it."""
-    result = run_parity(world, ParityCase(model, layout, "fp32", variant=variant), hf_cache=hf_cache,
+@pytest.mark.layouts(cpu=["tp1", "tp2", "pp2"], cuda=["tp1", "tp2", "pp2"])
+@pytest.mark.parametrize("model", TINY_MODELS)
+def test_plain_reference_with_fused_norms_agrees_approximately(world, device, layout, model, hf_cache,
+                                                               report):
+    """The bf16 gap before issue 11: where HF and Megatron round differently, bf16 logprobs agree
+    only within the approximate regime's bounds (these rows are its evidence and the "before"
+    figures; the exact-regime rows of test_megatron_logprobs_match_hf are the "after")."""
+    result = run_parity(world, ParityCase(model, layout, "bf16", **APPROXIMATE), hf_cache=hf_cache,
                         test=report.test)
     report.extend(result.rows)
-    max_abs = result.metrics["max_abs"]
-    assert not result.passed, f"variant {variant} went unnoticed: {result.summary()}"
-    # Not just over the line: each bug moves logprobs by orders of magnitude more than fp32 noise.
-    assert max_abs > 10 * tolerance("max_abs", "fp32").limit, result.summary()
+    assert result.regime == "approximate"
+    assert result.passed, result.summary()
 
 
-def test_every_shipped_variant_has_a_negative_control():
-    assert sorted(VARIANTS) == sorted(v for v, *_ in NEGATIVE_CONTROLS)
+@pytest.mark.layouts(cpu=["tp4"], cuda=["tp4"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_tp4_parity(world, device, layout, dtype, hf_cache, report):
+    """TP4 sums four bf16 partial outputs per row-parallel layer in the collective's own order,
+    which the reference cannot reproduce: bf16 parity is approximate there, fp32 stays tight."""
+    result = run_parity(world, ParityCase("tiny-qwen3-kv4", layout, dtype), hf_cache=hf_cache,
+                        test=report.test)
+    report.extend(result.rows)
+    assert result.regime == "approximate"
+    assert result.passed, result.summary()
 
 
 @pytest.mark.skipif(te_available(), reason="the packed path packs with a block-diagonal mask, which the "

@@ -1,0 +1,120 @@
+"""The HF reference, arranged to round where Megatron-Core's local spec rounds.
+
+Two correct bf16 forwards of one model differ wherever they round at different points, and in a
+random-weight model one ulp anywhere grows into ~1e-2 of logprob noise at the output: as large as
+the effect of a real bug (a 1% RMSNorm scale moves bf16 logprobs by 1.5e-2 on average). So the
+parity check compares Megatron with an HF forward arranged to round exactly where Megatron does,
+and what is left is a bug. The arrangements, each found by comparing every layer's output (tiny
+models and the Qwen3-0.6B shape, CPU and H100):
+
+1. Attention scores: Megatron's DotProductAttention scales Q.K^T inside the score GEMM (baddbmm's
+   alpha, one rounding); HF's eager attention rounds Q.K^T and rounds again after the scale
+   (the same only when 1/sqrt(head_dim) is a power of two: head_dim 16 yes, 128 no).
+2. Linear biases: Megatron's Column/RowParallelLinear add the bias to the GEMM's rounded output;
+   torch's F.linear on CUDA adds it inside the GEMM (cuBLASLt epilogue), before rounding.
+3. Row-parallel layers (o_proj, down_proj) under tensor parallelism t: each rank's GEMM over its
+   1/t of the input features is rounded, then the partial outputs are summed (all-reduce or, with
+   sequence parallelism, reduce-scatter) in the activation dtype. The reference sums t rounded
+   partials in rank order. For t <= 2 that is Megatron's arithmetic whatever order the collective
+   adds in (a + b == b + a); for t > 2 the backend's ring or tree order cannot be reproduced, and
+   parity there is only approximate (see `harness.parity.tolerances.regime`).
+
+The norms are matched the other way round: the harness's own local-spec RMSNorm rounds as HF does
+(harness.bridge.norms). In float32 the arrangements change nothing measurable (~1e-7).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ATTENTION = "megatron_eager"  # the attention implementation name registered with transformers
+
+# The projections of a Llama/Qwen2/Qwen3 decoder layer, by how Megatron partitions them.
+_COLUMN_PARALLEL = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                    "mlp.gate_proj", "mlp.up_proj")
+_ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def megatron_eager_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                             value: torch.Tensor, attention_mask: torch.Tensor | None,
+                             scaling: float, dropout: float = 0.0, **_: object):
+    """HF's eager attention with Megatron's score rounding: scale inside the score GEMM, softmax
+    in float32, probabilities back in the activation dtype."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:  # HF's repeat_kv: each KV head serves `groups` consecutive query heads
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    batch, heads, q_len, head_dim = query.shape
+    k_len = key.shape[2]
+    # beta=0 ignores the (uninitialized) input, as Megatron's preallocated buffer is.
+    scores = torch.baddbmm(
+        torch.empty((batch * heads, q_len, k_len), dtype=query.dtype, device=query.device),
+        query.reshape(batch * heads, q_len, head_dim),
+        key.reshape(batch * heads, k_len, head_dim).transpose(1, 2),
+        beta=0.0, alpha=scaling).view(batch, heads, q_len, k_len)
+    if attention_mask is not None:
+        scores = scores + attention_mask[:, :, :, :k_len]
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = F.dropout(probs, p=dropout, training=module.training)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(ATTENTION, megatron_eager_attention)
+    AttentionMaskInterface.register(ATTENTION, eager_mask)  # the additive mask eager attention takes
+
+
+class MegatronRoundedLinear(nn.Module):
+    """An HF linear layer computed as Megatron computes it: bias added after the GEMM is rounded;
+    with `partitions` > 1 (a row-parallel layer), the GEMM split over contiguous input-feature
+    shards, each shard's output rounded, the partial outputs summed in shard (rank) order."""
+
+    def __init__(self, linear: nn.Linear, partitions: int = 1) -> None:
+        super().__init__()
+        if linear.in_features % partitions:
+            raise ValueError(f"{linear.in_features} input features do not split into {partitions} shards")
+        self.weight = linear.weight  # the same parameters: nothing is copied for the unsplit case
+        self.bias = linear.bias
+        self.partitions = partitions
+        width = linear.in_features // partitions
+        # Contiguous copies of the shards, as each rank holds them (a strided view could take
+        # another GEMM path); buffers, so that .to(device) moves them with the model.
+        for r in range(partitions if partitions > 1 else 0):
+            self.register_buffer(f"shard{r}", linear.weight.detach()[:, r * width:(r + 1) * width]
+                                 .contiguous(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.partitions == 1:
+            out = F.linear(x, self.weight)
+        else:
+            width = x.shape[-1] // self.partitions
+            out = None
+            for r in range(self.partitions):
+                part = F.linear(x[..., r * width:(r + 1) * width].contiguous(), getattr(self, f"shard{r}"))
+                out = part if out is None else out + part
+        return out if self.bias is None else out + self.bias
+
+
+def arrange_like_megatron(model: nn.Module, *, tp: int = 1) -> nn.Module:
+    """Arrange an HF Llama/Qwen2/Qwen3 causal LM (in place) to round where Megatron's local spec
+    does under tensor parallelism `tp` (see the module docstring). Returns the model."""
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1, got {tp}")
+    _register_attention()
+    model.set_attn_implementation(ATTENTION)
+    layers = model.model.layers
+    for layer in layers:
+        for path, partitions in [(p, 1) for p in _COLUMN_PARALLEL] + [(p, tp) for p in _ROW_PARALLEL]:
+            parent_name, name = path.split(".")
+            parent = getattr(layer, parent_name)
+            linear = getattr(parent, name, None)
+            if not isinstance(linear, nn.Linear):
+                raise TypeError(f"{type(model).__name__}: expected an nn.Linear at layers.N.{path}, "
+                                f"found {type(linear).__name__}")
+            setattr(parent, name, MegatronRoundedLinear(linear, partitions))
+    model.harness_arranged_tp = tp
+    return model

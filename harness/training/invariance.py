@@ -1,0 +1,153 @@
+"""Training invariance: a Megatron policy's steps equal the single-process ground truth's.
+
+The check the training suite makes under every layout and the one `mrh repro` runs for the training
+variants of the catalog: `STEPS` steps of tiny-qwen3 on the same global batches (on-policy old
+logprobs, perturbed so both clipping branches occur), then per step the loss and pre-clip grad norm
+(relative to max(|truth|, 1)) and, after the steps, every weight (max |diff|), each against the
+training tolerance table. Catches unscaled or double-averaged gradients (micro-batch count, DP
+averaging), a missing finalize_model_grads (DP all-reduce, TP-partial norm grads, tied embeddings
+under PP), and a wrong optimizer or parameter grouping.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from harness.report import Row
+from harness.tolerance import CheckResult, separation
+from harness.training.tolerances import training_tolerance
+
+MODEL = "tiny-qwen3"
+PROMPTS = [5, 3, 7, 1, 10, 2, 12, 4]
+RESPONSES = [19, 9, 10, 23, 4, 13, 1, 16]
+STEPS = 2
+# Adam eps 1e-6, not 1e-8: Adam's update lr * m / (sqrt(v) + eps) is ill-conditioned for the few
+# elements whose gradient is ~eps (1e4x below the median): there, fp32 reduction-order noise from
+# TP-split matmuls (relative ~1e-3 on a cancelling 1e-8 gradient) moves the update by up to ~2e-5
+# at eps 1e-8 (measured at TP2: 2.3e-5 on 1 element of 8192, loss and grad norm within 1.3e-6).
+# eps 1e-6 bounds that sensitivity (d update / d g <= lr / eps) without changing anything else.
+OPTIM = dict(lr=1e-3, weight_decay=0.01, clip_grad=1.0, eps=1e-6)
+LOSS = dict(kl_coef=0.05, clip_eps_high=0.28, aggregation="token-mean")
+
+
+def policy_config(*, micro_batches: int = 2, dtype: str = "fp32", variant: str | None = None) -> dict[str, Any]:
+    """The PolicyConfig fields the ground truth trains with."""
+    return dict(OPTIM, micro_batches=micro_batches, loss_kwargs=dict(LOSS), variant=variant, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=4)
+def ground_truth(model: str = MODEL):
+    """(batches, ground-truth step results, HF state dict after the steps): once per process."""
+    from harness.logprobs import hf_logprobs
+    from harness.models import build_hf_model, load_hf_config, resolve_model
+    from harness.training.ground_truth import GroundTruthTrainer
+    from harness.training.rl_data import make_rl_train_batch
+
+    hf = build_hf_model(model, dtype=torch.float32, seed=0)
+    vocab = load_hf_config(resolve_model(model)).vocab_size
+    tb = make_rl_train_batch(vocab, batch_size=8, seed=0, prompt_lengths=PROMPTS,
+                             response_lengths=RESPONSES)
+    # On-policy old logprobs, perturbed so that both clipping branches occur in step 2.
+    with torch.no_grad():
+        tb = tb.with_old_logprobs(hf_logprobs(hf, tb.batch) + 0.02 * tb.advantages.sign())
+    trainer = GroundTruthTrainer(hf, **OPTIM, **LOSS)
+    results = [trainer.step(tb, micro_batches=2) for _ in range(STEPS)]
+    state = {n: p.detach().clone() for n, p in hf.state_dict().items()}
+    return [tb] * STEPS, results, state
+
+
+@dataclass
+class InvarianceResult:
+    layout: str
+    dtype: str
+    device: str
+    variant: str | None
+    checks: list[tuple[int | None, CheckResult]] = field(default_factory=list)  # (step, check)
+    failures: list[str] = field(default_factory=list)
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    worst_tensor: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    @property
+    def separation(self) -> float:
+        return separation(c for _, c in self.checks)
+
+    def rows(self, model: str, **fields: Any) -> list[Row]:
+        rows = []
+        for step, check in self.checks:
+            extra = dict(fields, variant=self.variant, tolerance_kind=check.tolerance.kind)
+            if step is not None:
+                extra["step"] = step
+            else:
+                extra["tensor"] = self.worst_tensor
+            rows.append(Row(suite="", test="", layout=self.layout, metric=check.metric, value=check.value,
+                            tolerance=check.tolerance.limit, passed=check.passed, model=model,
+                            dtype=self.dtype, device=self.device, extra=extra))
+        return rows
+
+    def summary(self) -> str:
+        worst = max((c for _, c in self.checks), key=lambda c: c.margin, default=None)
+        what = f"{self.layout} {self.dtype}" + (f" variant={self.variant}" if self.variant else "")
+        status = "; ".join(self.failures) if self.failures else "matches the ground truth"
+        tail = f" (worst: {worst.metric}={worst.value:.3g} vs {worst.tolerance.limit:g})" if worst else ""
+        return f"{what}: {status}{tail}"
+
+
+def _replica_divergence(worker) -> float:
+    return worker.replica_divergence()
+
+
+def _check(metric: str, value: float, dtype: str) -> CheckResult:
+    bound = training_tolerance(metric, dtype)
+    return CheckResult(metric, value, bound, bound.passes(value))
+
+
+def compare_to_ground_truth(policy, *, model: str = MODEL) -> InvarianceResult:
+    """Train `policy` (a PolicyHandle made with `policy_config(...)`) for STEPS steps on the
+    ground truth's batches and compare; the handle's config says dtype, micro-batches, variant."""
+    batches, expected, ref_state = ground_truth(model)
+    dtype = policy.config.get("dtype", "fp32")
+    result = InvarianceResult(str(policy.layout), dtype, policy.world.device, policy.config.get("variant"))
+    result.steps = policy.steps(batches)
+    state = policy.hf_state_dict()
+    micro_batches = policy.config.get("micro_batches", 1)
+    for i, (got, want) in enumerate(zip(result.steps, expected)):
+        # The per-micro-batch losses are the pieces of the global loss, one per (dp rank, index).
+        if len(got["micro_batches"]) != micro_batches * policy.layout.dp:
+            result.failures.append(f"step {i}: {len(got['micro_batches'])} micro-batch stats")
+        for key in ("loss", "grad_norm"):
+            # Relative to max(|value|, 1): the surrogate is a mean of +-ratio * A terms with
+            # |A| ~ N(0, 1), which cancel to ~0.01, so a plain relative diff would amplify fp32
+            # noise ~100x (TP2 step 2: |diff| 1.7e-7 on a loss of 0.0122).
+            check = _check(f"{key}_rel_diff", abs(got[key] - want[key]) / max(abs(want[key]), 1.0), dtype)
+            result.checks.append((i, check))
+            if not check.passed:
+                result.failures.append(f"step {i} {key}: megatron {got[key]!r} vs ground truth {want[key]!r}")
+        if abs(got["lr"] - want["lr"]) > 1e-12 * abs(want["lr"]):
+            result.failures.append(f"step {i} lr: {got['lr']} vs {want['lr']}")
+    if "lm_head.weight" not in state and torch.equal(ref_state["lm_head.weight"], ref_state["model.embed_tokens.weight"]):
+        # Tied: HF's state dict lists the shared tensor twice, the export (like the checkpoint) once.
+        ref_state = {n: t for n, t in ref_state.items() if n != "lm_head.weight"}
+    differing = sorted(set(ref_state) ^ set(state))
+    if differing:
+        raise AssertionError(f"state dict keys differ: {differing}")
+    worst = 0.0
+    for name, want in ref_state.items():
+        diff = (state[name].float() - want.float()).abs().max().item()
+        if diff > worst:
+            result.worst_tensor, worst = name, diff
+    check = _check("param_max_abs_diff", worst, dtype)
+    result.checks.append((None, check))
+    if not check.passed:
+        result.failures.append(f"params: max |diff| {worst:.3g} at {result.worst_tensor}")
+    check = _check("replica_max_abs_diff", policy.apply(_replica_divergence)[0], dtype)
+    result.checks.append((None, check))
+    if not check.passed:
+        result.failures.append(f"replicated parameters drifted apart across ranks by {check.value:.3g}")
+    return result

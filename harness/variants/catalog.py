@@ -1,0 +1,190 @@
+"""The one catalog of wrong variants: negative controls and reproduced upstream bugs.
+
+Each entry is a way our own components can be wrong, shipped on purpose so that a check can prove
+it notices: a negative control (a plausible bug class, e.g. a 1% norm scale) or an upstream bug (a
+bug an RL framework or Megatron-Core shipped, with its reference). One selection mechanism for all
+of them: a component takes `variant="<id>"` (`ParityCase(variant=...)`, `PolicyConfig(variant=...)`,
+`policy.load(dir, variant=...)`) and checks it here with `require` before any work; the component
+implements the entries of its own kind (`IMPLEMENTED` in its module; suites/sensitivity checks that
+the catalog and the implementations agree). `mrh repro --list` prints this table; `mrh repro ID`
+runs the entry's check on the variant and on the fixed path.
+
+Components:
+  bridge      HF -> Megatron weights (harness.parity.variants, applied after loading)
+  logprobs    how a batch is fed to Megatron (harness.parity.variants)
+  training    the policy worker's step (harness.training.policy)
+  checkpoint  save/resume (harness.checkpoint)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+Component = Literal["bridge", "logprobs", "training", "checkpoint"]
+Kind = Literal["negative-control", "upstream-bug"]
+COMPONENTS: tuple[str, ...] = ("bridge", "logprobs", "training", "checkpoint")
+# Which components each check runs (the parity check covers the weights and the feeding).
+CHECKS: dict[str, tuple[str, ...]] = {
+    "parity": ("bridge", "logprobs"),
+    "training": ("training",),
+    "checkpoint": ("checkpoint",),
+}
+
+
+class VariantError(ValueError):
+    """An unknown variant id, one for another component, or one that does not apply."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    id: str
+    component: Component
+    kind: Kind
+    description: str  # what is wrong
+    symptom: str  # what a user of the buggy code sees
+    caught_by: str  # the check that catches it, and the metric that separates
+    upstream: str | None = None  # project + PR/issue, where the bug was reported
+    # (layout, hf_config) -> None, or why the variant cannot show under that layout/model.
+    requires: Callable[[Any, Any], str | None] | None = None
+    default_layout: str = "tp2"  # where `mrh repro ID` runs it unless told otherwise
+
+    def why_not(self, layout, config) -> str | None:
+        return self.requires(layout, config) if self.requires else None
+
+
+# ------------------------------------------------------------------------------- applicability
+def _needs_tp(layout, config) -> str | None:
+    return None if layout.tp > 1 else "needs tensor parallelism (tp >= 2): with one shard there is no order to swap"
+
+
+def _needs_tied_pp(layout, config) -> str | None:
+    if not getattr(config, "tie_word_embeddings", False) or layout.pp < 2:
+        return "needs a tied-embedding model and pp >= 2 (only then does the last stage keep its own copy)"
+    return None
+
+
+def _needs_left_padding(layout, config) -> str | None:
+    return None  # every parity batch of the harness has left-padded rows
+
+
+def _needs_a_cross_rank_grad_reduction(layout, config) -> str | None:
+    """finalize_model_grads reduces DP grads, TP-partial norm grads (QK-norm, sequence
+    parallelism) and the two copies of a tied embedding under PP; with none of them it does
+    nothing to miss."""
+    qk_norm = getattr(config, "model_type", "") == "qwen3"
+    tied_pp = getattr(config, "tie_word_embeddings", False) and layout.pp > 1
+    if layout.dp > 1 or (layout.tp > 1 and (qk_norm or layout.sequence_parallel)) or tied_pp:
+        return None
+    return "needs a gradient reduced across ranks (dp >= 2, tp >= 2 with QK-norm or SP, or tied PP)"
+
+
+def _needs_other_model_parallelism(layout, config) -> str | None:
+    return None  # the check loads at another TP/PP than the save (see the repro scenario)
+
+
+# ------------------------------------------------------------------------------------- catalog
+_ENTRIES: tuple[Variant, ...] = (
+    Variant("swapped-gate-up", "bridge", "negative-control",
+            "SwiGLU gate and up projections swapped in every MLP (a fused-weight converter that "
+            "concatenates [up; gate])",
+            "logprobs off everywhere; training still runs",
+            "logprob parity vs HF: every metric"),
+    Variant("wrong-rope-base", "bridge", "negative-control",
+            "RoPE base 1% above the checkpoint's (a rope_theta read from the wrong config field)",
+            "logprobs off by ~1e-3 (fp32) to ~1e-2 (bf16), growing with position",
+            "logprob parity vs HF: max_abs, mean_abs, kl_k3"),
+    Variant("scaled-norm", "bridge", "negative-control",
+            "layer 0's input RMSNorm weight scaled by 1.01 (a norm loaded with an offset or "
+            "zero-centered gamma mix-up)",
+            "logprobs off by ~1e-2: below bf16 noise unless both sides round alike",
+            "logprob parity vs HF: max_abs, mean_abs, kl_k3"),
+    Variant("skipped-layer", "bridge", "negative-control",
+            "layer 1's weights never loaded: left at Megatron's initialization (a name mapping "
+            "that misses one layer)",
+            "logprobs off everywhere; the model still produces finite output",
+            "logprob parity vs HF: every metric", default_layout="pp2"),
+    Variant("swapped-tp-shards", "bridge", "negative-control",
+            "linear_fc1's tensor-parallel shards loaded in reversed rank order (a gather or "
+            "scatter that orders shards wrongly)",
+            "logprobs off under TP only; TP1 is fine",
+            "logprob parity vs HF at tp >= 2: every metric", requires=_needs_tp),
+    Variant("unsynced-tied-embedding", "bridge", "upstream-bug",
+            "tied model under PP: the last stage's copy of the embedding (its output layer) not "
+            "loaded from the checkpoint",
+            "logprobs off on tied models at pp >= 2 only",
+            "logprob parity vs HF at pp >= 2 on a tied model: every metric",
+            upstream="mbridge PR 14 (lm_head.weight not found with tied embeddings under PP)",
+            requires=_needs_tied_pp, default_layout="pp2"),
+    Variant("unmasked-padding", "logprobs", "upstream-bug",
+            "left-padded rows fed to Megatron as they are: pads visible, positions shifted "
+            "(Megatron's RoPE ignores position_ids)",
+            "logprobs of left-padded rows wrong; right-padded rows fine",
+            "logprob parity vs HF on a batch with left padding: max_abs, top1_agreement",
+            upstream="SkyRL PR 223 (Megatron needs left padding removed)",
+            requires=_needs_left_padding),
+    Variant("no-finalize-grads", "training", "upstream-bug",
+            "finalize_model_grads_func left unset: data-parallel gradients (and TP-partial norm "
+            "grads, tied-embedding copies) never reduced",
+            "training converges slower; grad norm ~2x at DP=4",
+            "training vs the single-process ground truth: grad_norm_rel_diff, param_max_abs_diff",
+            upstream="SkyRL PR 223 follow-up (finalize_model_grads_func unset)",
+            requires=_needs_a_cross_rank_grad_reduction, default_layout="dp2"),
+    Variant("grad-times-microbatches", "training", "upstream-bug",
+            "gradients multiplied by the micro-batch count (the loss's 1/num_microbatches undone "
+            "twice)",
+            "grad norm scales with the micro-batch count; clipping hides it from the loss",
+            "training vs the single-process ground truth with 2 micro-batches: grad_norm_rel_diff",
+            upstream="NeMo-RL PR 1426 (grad norm multiplied by the number of micro-batches)",
+            default_layout="dp2"),
+    Variant("shared-adam-step", "checkpoint", "upstream-bug",
+            "after a load, every parameter's torch-Adam state shares one `step` tensor, which "
+            "each parameter's update increments: wrong bias correction on the first resumed step",
+            "the resumed loss and grad norm match; the weights drift (~2.5e-4 after one step)",
+            "resume vs the uninterrupted run: next-step param_max_abs_diff",
+            upstream="megatron-core 0.16.1 DistributedOptimizer.load_state_dict without Apex/TE "
+                     "(found by this harness)"),
+    Variant("rng-not-restored", "checkpoint", "upstream-bug",
+            "the RNG states are not restored on resume (load_rng hard-coded off)",
+            "with dropout on, the resumed step differs from the uninterrupted one",
+            "same-layout resume with dropout 0.1 vs the uninterrupted run: bit-exact next step",
+            upstream="NeMo-RL PR 2391 (fully_parallel_save/load and load_rng hard-coded)"),
+    Variant("dp-reshardable", "checkpoint", "upstream-bug",
+            "optimizer state saved in the dp_reshardable format (flat buffers of one TP/PP layout) "
+            "and resumed at another TP/PP",
+            "resume under another layout loads the wrong optimizer state (or fails)",
+            "resume at another TP/PP vs the source checkpoint: optimizer tensors and next step",
+            upstream="SkyRL PR 298 / Megatron dist-checkpointing (only fully_reshardable optimizer "
+                     "state reshards across TP/PP)",
+            requires=_needs_other_model_parallelism),
+)
+
+CATALOG: dict[str, Variant] = {v.id: v for v in _ENTRIES}
+
+
+def get(variant_id: str) -> Variant:
+    if variant_id not in CATALOG:
+        raise VariantError(f"unknown variant {variant_id!r}; choose from {', '.join(CATALOG)} "
+                           "(mrh repro --list describes each)")
+    return CATALOG[variant_id]
+
+
+def for_components(*components: str) -> list[Variant]:
+    return [v for v in _ENTRIES if v.component in components]
+
+
+def require(variant_id: str | None, *, check: str, layout=None, config=None) -> Variant | None:
+    """The entry for `variant_id` after checking that `check` ("parity", "training",
+    "checkpoint") runs its component and that it applies to `layout` and `config` (when given);
+    None for no variant. Raises VariantError: one clear error before any work."""
+    if variant_id is None:
+        return None
+    variant = get(variant_id)
+    components = CHECKS[check]
+    if variant.component not in components:
+        raise VariantError(f"variant {variant_id!r} is a {variant.component} variant; the {check} "
+                           f"check takes {' or '.join(components)} variants")
+    if layout is not None:
+        why_not = variant.why_not(layout, config)
+        if why_not:
+            raise VariantError(f"variant {variant_id!r} does not apply to layout {layout}: {why_not}")
+    return variant
