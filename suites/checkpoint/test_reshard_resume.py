@@ -15,7 +15,7 @@ import torch
 from harness.checkpoint import CheckpointError
 from harness.checkpoint.diff import diff_checkpoints
 from harness.training.tolerances import training_tolerance
-from suites.checkpoint.conftest import CONFIG, K_STEPS, MODEL, train_batch
+from suites.checkpoint.common import CONFIG, K_STEPS, MODEL, train_batch
 
 # The issue's pairs (tp1 fills the world with dp), plus tp2pp2 -> tp4: TP4 pads the vocab to 512
 # rows where TP2 pads it to 256, so the two checkpoints' embeddings differ in shape.
