@@ -140,19 +140,15 @@ class PolicyWorker:
     def train_step(self, train_batch: RLTrainBatch) -> dict[str, Any]:
         """One optimizer step on the GLOBAL train_batch (identical on every rank)."""
         from harness.launch import context
-        from harness.logprobs.megatron import _right_padded
+        from harness.logprobs.micro_batches import split_micro_batches
 
         ps = self.ps
-        device = context().device
         n_micro = self.config.micro_batches
         dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         tokens_total, seqs_total = loss_counts(train_batch)  # the WHOLE global batch
         local = train_batch.split(dp_size)[dp_rank]
-        if n_micro < 1 or local.batch_size % n_micro:
-            raise ValueError(f"{local.batch_size} rows per data-parallel rank do not split into "
-                             f"{n_micro} micro-batches")
-        parts = local.split(n_micro)
-        micros = [_right_padded(p.batch) for p in parts]
+        micros = split_micro_batches(local.batch, n_micro)  # checks the count divides the rows
+        parts = local.split(n_micro)  # the same rows, with their advantages, old logprobs, ...
         # Undo Megatron's loss /= num_microbatches, loss *= cp and the DDP 1/dp grad pre-scaling:
         # per-part losses are already normalised by the global counts, so grads must simply add.
         # (Megatron multiplies by cp_size and DDP divides by dp_size * cp_size: cp cancels.)
@@ -164,46 +160,28 @@ class PolicyWorker:
             model.zero_grad_buffer()
         self.optimizer.zero_grad()
         with _deterministic(self.config.deterministic):
-            return self._step(train_batch, micros, parts, scale, tokens_total, seqs_total, device)
+            return self._step(train_batch, micros, parts, scale, tokens_total, seqs_total,
+                              context().device)
 
     def _step(self, train_batch, micros, parts, scale, tokens_total, seqs_total, device) -> dict[str, Any]:
         import torch.distributed as dist
-        from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from harness.logprobs.megatron import _shift_to_tokens
-        from harness.logprobs.vocab_parallel import vocab_parallel_logprobs
+        from harness.logprobs.schedule import run_schedule, token_logprobs
 
         ps = self.ps
-        n_micro = self.config.micro_batches
         local_losses: dict[int, torch.Tensor] = {}
 
-        def forward_step(data_iterator, model):
-            index = next(data_iterator)
-            micro = micros[index]
-            tokens = micro.tokens.to(device)
-            positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
-            output = model(tokens, positions, None)
-
+        def loss_for(index, micro, tokens):
             def loss_func(logits: torch.Tensor):
-                per_position = vocab_parallel_logprobs(logits[:, :-1], tokens[:, 1:],
-                                                       self.true_vocab).float()
-                logprobs = micro.unmap(_shift_to_tokens(per_position.cpu(), 0.0))
+                logprobs = token_logprobs(logits, tokens, micro, self.true_vocab)
                 loss, _ = rl_loss(logprobs, parts[index], global_token_count=tokens_total,
                                   global_seq_count=seqs_total, **self.config.loss_kwargs)
                 local_losses[index] = loss.detach()
                 return (loss * scale).to(device), {"loss": loss.detach()}
 
-            return output, loss_func
+            return loss_func
 
-        chunks = list(self.models)
-        order = list(range(n_micro))
-        get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=[iter(order) for _ in chunks] if len(chunks) > 1 else iter(order),
-            model=chunks if len(chunks) > 1 else chunks[0],
-            num_microbatches=n_micro, seq_length=micros[0].tokens.shape[1],
-            micro_batch_size=micros[0].tokens.shape[0], forward_only=False,
-        )
+        run_schedule(self.models, micros, loss_for, forward_only=False)
         lr = self.lr
         success, grad_norm, _num_zeros = self.optimizer.step()
         if not success:
@@ -214,7 +192,7 @@ class PolicyWorker:
         last = ps.is_pipeline_last_stage(ignore_virtual=True)
         value = torch.zeros((), dtype=torch.float64, device=device)
         if last:
-            value += sum(float(local_losses[i]) for i in order)
+            value += sum(float(local_losses[i]) for i in range(len(micros)))
         dist.all_reduce(value, group=ps.get_data_parallel_group())
         if ps.get_pipeline_model_parallel_world_size() > 1:
             dist.broadcast(value, src=ps.get_pipeline_model_parallel_last_rank(),
