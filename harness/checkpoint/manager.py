@@ -6,7 +6,8 @@
 Saving writes into a hidden sibling directory and renames it into place after every rank has
 written and the manifest (files, sizes, sha256) is down, so a crash leaves no directory under the
 target name. Loading validates the manifest, every file, the model and the layout in this process
-first; only then do the ranks replace their state. A refused load changes nothing.
+first; only then do the ranks replace their state. A refused load changes nothing. The rank side
+is the policy worker's: `PolicyWorker.save_checkpoint` / `load_checkpoint` (harness.training.policy).
 """
 from __future__ import annotations
 
@@ -17,13 +18,18 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from harness.checkpoint import rank
 from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.manifest import Manifest, file_table, model_fingerprint, read_manifest, \
     verify_files, write_manifest
+from harness.checkpoint.sharded import OPTIMIZER_FORMATS
 from harness.parallel.layout import parse_layout
 
-OPTIMIZER_FORMATS = rank.OPTIMIZER_FORMATS
+# Upstream bugs, shipped as selectable wrong variants of the load (`variant=`).
+LOAD_VARIANTS = {
+    # megatron-core 0.16.1 without Apex/TE (harness.compat.megatron_core.SHARED_ADAM_STEP): one
+    # Adam step tensor shared by every parameter after a load; the ranks skip our un-sharing.
+    "shared-adam-step": "one Adam step tensor shared by every parameter after a load",
+}
 
 
 def _megatron_version() -> str:
@@ -52,7 +58,8 @@ def save_checkpoint(policy, directory: str | os.PathLike, *, optimizer_format: s
     partial.mkdir()
     try:
         started = time.perf_counter()
-        position = policy.apply(rank.save, str(partial), optimizer_format, fully_parallel_save)[0]
+        position = policy.call("save_checkpoint", str(partial), optimizer_format=optimizer_format,
+                               fully_parallel=fully_parallel_save)[0]
         manifest = Manifest(
             model=str(policy.path), model_config=model_fingerprint(load_hf_config(policy.path)),
             layout=policy.layout.name, world_size=policy.world.size,
@@ -108,14 +115,15 @@ def load_checkpoint(policy, directory: str | os.PathLike, *, load_rng: bool | No
                     variant: str | None = None) -> dict[str, Any]:
     """Replace `policy`'s whole state by the checkpoint's. load_rng: True restores the RNG states
     (same layout only), False keeps the current ones, None restores them when the layout matches.
-    `variant` selects a shipped upstream bug (`rank.LOAD_VARIANTS`). Returns the data position,
+    `variant` selects a shipped upstream bug (`LOAD_VARIANTS`). Returns the data position,
     whether the RNG was restored and the load time."""
-    if variant is not None and variant not in rank.LOAD_VARIANTS:
-        raise CheckpointError(f"unknown load variant {variant!r}; choose from {sorted(rank.LOAD_VARIANTS)}")
+    if variant is not None and variant not in LOAD_VARIANTS:
+        raise CheckpointError(f"unknown load variant {variant!r}; choose from {sorted(LOAD_VARIANTS)}")
     manifest, restore_rng = check_loadable(policy, directory, load_rng=load_rng,
                                            verify_checksums=verify_checksums)
     started = time.perf_counter()
-    position = policy.apply(rank.load, str(directory), manifest.optimizer_format, fully_parallel_load,
-                            restore_rng, variant)[0]
+    position = policy.call("load_checkpoint", str(directory), optimizer_format=manifest.optimizer_format,
+                           fully_parallel=fully_parallel_load, load_rng=restore_rng,
+                           unshare_adam_steps=variant != "shared-adam-step")[0]
     return {**position, "rng_restored": restore_rng, "load_s": round(time.perf_counter() - started, 4),
             "manifest": manifest}

@@ -62,8 +62,8 @@ def _drop(layout: Layout, key: str) -> None:
 
 
 # Rank functions a handle applies to its worker (module-level: they travel by reference).
-def _train_step(worker, train_batch):
-    return worker.train_step(train_batch)
+def _call_method(worker, method: str, *args, **kwargs):
+    return getattr(worker, method)(*args, **kwargs)
 
 
 def _export(worker):
@@ -73,13 +73,8 @@ def _export(worker):
     return state if dist.get_rank() == 0 else None
 
 
-def _logprobs(worker, batch, micro_batches):
-    return worker.logprobs(batch, micro_batches)
-
-
 def _position(worker):
-    return {"steps_done": worker.steps_done, "consumed_samples": worker.consumed_samples,
-            "lr": worker.lr}
+    return {**worker.position(), "lr": worker.lr}
 
 
 # ----------------------------------------------------------------------------- parent side
@@ -105,6 +100,10 @@ class _Handle:
             raise RuntimeError(f"{self} is closed")
         return run_in_layout(self.world, self.layout, _apply, self.key, fn, args, kwargs,
                              seed=None, timeout=timeout)
+
+    def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        """`worker.<method>(*args, **kwargs)` on every rank; returns each rank's result."""
+        return self.apply(_call_method, method, *args, timeout=timeout, **kwargs)
 
     def close(self) -> None:
         """Free the rank-side worker (idempotent; a restarted world has nothing to free)."""
@@ -147,7 +146,7 @@ class PolicyHandle(_Handle):
 
     def step(self, train_batch) -> dict[str, Any]:
         """One optimizer step on the global batch: loss, grad_norm, lr, micro_batches."""
-        results = self.apply(_train_step, train_batch)
+        results = self.call("train_step", train_batch)
         # Every rank reduces the same global loss and grad norm; a rank that disagrees has trained
         # on something else (a broken group, a wrong shard): fail loudly rather than report rank 0's.
         for rank, result in enumerate(results[1:], start=1):
@@ -196,5 +195,5 @@ class ReferenceHandle(_Handle):
         """[B, S] logprobs of `batch` (0 where undefined), assembled from the ranks."""
         from harness.logprobs.megatron import assemble
 
-        logprobs, _ = assemble(self.apply(_logprobs, batch, micro_batches))
+        logprobs, _ = assemble(self.call("logprobs", batch, micro_batches))
         return logprobs

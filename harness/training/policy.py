@@ -30,8 +30,11 @@ from typing import Any, Iterator
 
 import torch
 
+from harness.checkpoint.sharded import OPTIMIZER_FORMATS, load_sharded, model_keys, rng_sharded_object, \
+    save_sharded
 from harness.training.loss import loss_counts, rl_loss
 from harness.training.rl_data import RLTrainBatch
+from harness.training.rng import capture, restore
 
 
 @dataclass
@@ -227,6 +230,71 @@ class PolicyWorker:
         from harness.bridge import export_hf_state_dict
 
         return export_hf_state_dict(self.models)
+
+    # ------------------------------------------------- checkpoints (rank side of harness.checkpoint)
+    def _chunks(self) -> list[torch.nn.Module]:
+        from mbridge.core.util import unwrap_model
+
+        return unwrap_model(list(self.models))
+
+    def position(self) -> dict[str, int]:
+        return {"steps_done": self.steps_done, "consumed_samples": self.consumed_samples}
+
+    def sharded_state_dict(self, optimizer_format: str = "fully_reshardable", *, is_loading: bool = False,
+                           with_rng: bool = True) -> dict[str, Any]:
+        """The whole policy state as Megatron's sharded state dict (Megatron-LM's keys):
+        ``model``/``model0..`` (one per virtual pipeline chunk), ``optimizer`` (DistributedOptimizer
+        state in `optimizer_format`), ``scheduler`` and ``position`` (saved once), and
+        ``rng_state`` (this rank's RNG states)."""
+        if optimizer_format not in OPTIMIZER_FORMATS:
+            raise ValueError(f"unknown optimizer format {optimizer_format!r}; choose from {OPTIMIZER_FORMATS}")
+        ps = self.ps
+        chunks = self._chunks()
+        state: dict[str, Any] = {}
+        for i, (name, chunk) in enumerate(zip(model_keys(len(chunks)), chunks)):
+            if len(chunks) > 1:
+                ps.set_virtual_pipeline_model_parallel_rank(i)
+            state[name] = chunk.sharded_state_dict()
+        if len(chunks) > 1:
+            ps.set_virtual_pipeline_model_parallel_rank(0)
+        state["optimizer"] = self.optimizer.sharded_state_dict(
+            state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": optimizer_format})
+        state["scheduler"] = self.scheduler.state_dict()
+        state["position"] = self.position()
+        if with_rng:
+            state["rng_state"] = rng_sharded_object(capture())
+        return state
+
+    def save_checkpoint(self, directory: str, *, optimizer_format: str = "fully_reshardable",
+                        fully_parallel: bool = True) -> dict[str, int]:
+        """Write this rank's part of the policy into `directory` (every rank at once); returns the
+        data position saved. The directory's atomicity and manifest are the parent's
+        (harness.checkpoint.manager)."""
+        save_sharded(self.sharded_state_dict(optimizer_format), directory, optimizer_format, fully_parallel)
+        return self.position()
+
+    def load_checkpoint(self, directory: str, *, optimizer_format: str = "fully_reshardable",
+                        fully_parallel: bool = True, load_rng: bool = False,
+                        unshare_adam_steps: bool = True) -> dict[str, int]:
+        """Replace the whole policy state by the checkpoint's (every rank at once; the parent has
+        validated it: harness.checkpoint.manager.check_loadable); with load_rng the rank's RNG
+        states become the saved ones. unshare_adam_steps=False keeps megatron-core's shared
+        Adam step (the `shared-adam-step` variant). Returns the data position loaded."""
+        from harness.compat.megatron_core import ensure_optimizer_state, load_optimizer_state_dict
+
+        ensure_optimizer_state(self.optimizer)
+        template = self.sharded_state_dict(optimizer_format, is_loading=True, with_rng=load_rng)
+        loaded = load_sharded(template, directory, fully_parallel)
+        chunks = self._chunks()
+        for name, chunk in zip(model_keys(len(chunks)), chunks):
+            chunk.load_state_dict(loaded[name])
+        load_optimizer_state_dict(self.optimizer, loaded["optimizer"], unshare_steps=unshare_adam_steps)
+        self.scheduler.load_state_dict(loaded["scheduler"])
+        self.steps_done = int(loaded["position"]["steps_done"])
+        self.consumed_samples = int(loaded["position"]["consumed_samples"])
+        if load_rng:
+            restore(loaded["rng_state"])
+        return self.position()
 
 
 @contextmanager
