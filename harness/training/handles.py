@@ -3,8 +3,10 @@
 A `PolicyHandle` builds a `PolicyWorker` on every rank of a world under one layout and keeps it
 there: each later call (a step, logprobs, an export, a checkpoint save or load) runs on the same
 rank-side objects, so optimizer state, step counters and RNG streams carry over as in a real
-training loop. The first call seeds Megatron's RNG tracker; later calls leave every RNG alone
-(`run_in_layout(..., seed=None)`), so a checkpoint's restored RNG state is what the next step uses.
+training loop. Each worker owns its RNG streams (`harness.training.rng`), seeded from the handle's
+`seed` when it is built: every call on the handle runs with them swapped in and saves them back
+after, so another handle's calls, a new handle or a default-seed `run_in_layout` in between
+change nothing, and a checkpoint's restored RNG state is what the next step uses.
 
     policy = PolicyHandle(world, "tp2", "tiny-qwen3", lr=1e-3, micro_batches=2)
     stats = policy.step(train_batch)      # {"loss", "grad_norm", "lr", "micro_batches": [...]}
@@ -39,21 +41,24 @@ def _worker(key: str):
                            "restarted after a failure (make a new handle)") from None
 
 
-def _create_policy(layout: Layout, key: str, path, config_kwargs: dict[str, Any]) -> None:
+def _create_policy(layout: Layout, key: str, path, config_kwargs: dict[str, Any], seed: int) -> None:
     from harness.training.policy import PolicyConfig, PolicyWorker
 
     _WORKERS[key] = PolicyWorker(path, PolicyConfig(**config_kwargs),
-                                 sequence_parallel=layout.sequence_parallel)
+                                 sequence_parallel=layout.sequence_parallel, seed=seed)
 
 
-def _create_reference(layout: Layout, key: str, path, dtype: torch.dtype) -> None:
+def _create_reference(layout: Layout, key: str, path, dtype: torch.dtype, seed: int) -> None:
     from harness.training.reference import ReferenceWorker
 
-    _WORKERS[key] = ReferenceWorker(path, dtype=dtype, sequence_parallel=layout.sequence_parallel)
+    _WORKERS[key] = ReferenceWorker(path, dtype=dtype, sequence_parallel=layout.sequence_parallel,
+                                    seed=seed)
 
 
 def _apply(layout: Layout, key: str, fn: Callable[..., Any], args, kwargs) -> Any:
-    return fn(_worker(key), *args, **kwargs)
+    worker = _worker(key)
+    with worker.rng.active():  # the worker's own RNG streams for this call, the process's after
+        return fn(worker, *args, **kwargs)
 
 
 def _drop(layout: Layout, key: str) -> None:
@@ -141,8 +146,8 @@ class PolicyHandle(_Handle):
             raise TypeError(f"unknown PolicyConfig field(s) {unknown}")
         super().__init__(world, layout, model, seed)
         self.config = dict(config)
-        run_in_layout(world, self.layout, _create_policy, self.key, self.path, self.config,
-                      model=self.path, seed=seed)
+        run_in_layout(world, self.layout, _create_policy, self.key, self.path, self.config, seed,
+                      model=self.path, seed=None)  # the worker seeds its own streams
 
     def step(self, train_batch) -> dict[str, Any]:
         """One optimizer step on the global batch: loss, grad_norm, lr, micro_batches."""
@@ -188,8 +193,8 @@ class ReferenceHandle(_Handle):
     def __init__(self, world, layout: Layout | str, model="tiny-qwen3", *,
                  dtype: torch.dtype = torch.float32, seed: int = DEFAULT_SEED) -> None:
         super().__init__(world, layout, model, seed)
-        run_in_layout(world, self.layout, _create_reference, self.key, self.path, dtype,
-                      model=self.path, seed=seed)
+        run_in_layout(world, self.layout, _create_reference, self.key, self.path, dtype, seed,
+                      model=self.path, seed=None)  # the worker seeds its own streams
 
     def logprobs(self, batch, micro_batches: int = 1) -> torch.Tensor:
         """[B, S] logprobs of `batch` (0 where undefined), assembled from the ranks."""

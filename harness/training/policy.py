@@ -32,9 +32,10 @@ import torch
 
 from harness.checkpoint.sharded import OPTIMIZER_FORMATS, load_sharded, model_keys, rng_sharded_object, \
     save_sharded
+from harness.parallel.state import DEFAULT_SEED
 from harness.training.loss import loss_counts, rl_loss
 from harness.training.rl_data import RLTrainBatch
-from harness.training.rng import capture, restore
+from harness.training.rng import RNGStreams
 
 
 @dataclass
@@ -77,10 +78,19 @@ class PolicyWorker:
 
     Build it on every rank of the world at once, inside a Megatron layout. `steps_done` and
     `consumed_samples` (global rows trained on) are the data position a checkpoint records.
+    `rng` holds the worker's own RNG streams, seeded from `seed` and the layout alone; run each
+    call on the worker inside `worker.rng.active()` (the handles do) so that its dropout stream
+    continues from its previous call whatever else the process ran in between.
     """
 
     def __init__(self, path, config: PolicyConfig | None = None, *, sequence_parallel: bool = False,
-                 **overrides: Any) -> None:
+                 seed: int = DEFAULT_SEED, **overrides: Any) -> None:
+        self.rng = RNGStreams.seeded(seed)
+        with self.rng.active():  # building draws from the streams (e.g. initializers)
+            self._build(path, config, sequence_parallel, overrides)
+
+    def _build(self, path, config: PolicyConfig | None, sequence_parallel: bool,
+               overrides: dict[str, Any]) -> None:
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -245,7 +255,7 @@ class PolicyWorker:
         """The whole policy state as Megatron's sharded state dict (Megatron-LM's keys):
         ``model``/``model0..`` (one per virtual pipeline chunk), ``optimizer`` (DistributedOptimizer
         state in `optimizer_format`), ``scheduler`` and ``position`` (saved once), and
-        ``rng_state`` (this rank's RNG states)."""
+        ``rng_state`` (this worker's RNG streams, per rank)."""
         if optimizer_format not in OPTIMIZER_FORMATS:
             raise ValueError(f"unknown optimizer format {optimizer_format!r}; choose from {OPTIMIZER_FORMATS}")
         ps = self.ps
@@ -262,7 +272,7 @@ class PolicyWorker:
         state["scheduler"] = self.scheduler.state_dict()
         state["position"] = self.position()
         if with_rng:
-            state["rng_state"] = rng_sharded_object(capture())
+            state["rng_state"] = rng_sharded_object(self.rng.current())
         return state
 
     def save_checkpoint(self, directory: str, *, optimizer_format: str = "fully_reshardable",
@@ -277,8 +287,8 @@ class PolicyWorker:
                         fully_parallel: bool = True, load_rng: bool = False,
                         unshare_adam_steps: bool = True) -> dict[str, int]:
         """Replace the whole policy state by the checkpoint's (every rank at once; the parent has
-        validated it: harness.checkpoint.manager.check_loadable); with load_rng the rank's RNG
-        states become the saved ones. unshare_adam_steps=False keeps megatron-core's shared
+        validated it: harness.checkpoint.manager.check_loadable); with load_rng the worker's own
+        RNG streams become the saved ones. unshare_adam_steps=False keeps megatron-core's shared
         Adam step (the `shared-adam-step` variant). Returns the data position loaded."""
         from harness.compat.megatron_core import ensure_optimizer_state, load_optimizer_state_dict
 
@@ -293,7 +303,7 @@ class PolicyWorker:
         self.steps_done = int(loaded["position"]["steps_done"])
         self.consumed_samples = int(loaded["position"]["consumed_samples"])
         if load_rng:
-            restore(loaded["rng_state"])
+            self.rng.replace(loaded["rng_state"])
         return self.position()
 
 

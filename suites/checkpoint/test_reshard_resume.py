@@ -14,6 +14,7 @@ import torch
 
 from harness.checkpoint import CheckpointError
 from harness.checkpoint.diff import diff_checkpoints
+from harness.parallel.state import run_in_layout
 from harness.training.tolerances import training_tolerance
 from suites.checkpoint.common import CONFIG, K_STEPS, MODEL, train_batch
 
@@ -95,7 +96,15 @@ def _dropout_resume(policy, layout, tmp_path, load_rng):
     second = policy(layout, MODEL, **config)  # built (and seeded) afresh: its RNG is not first's
     info = second.load(tmp_path / "ckpt", load_rng=load_rng)
     assert info["rng_restored"] is load_rng
+    # The loaded RNG states are the worker's own: a new handle and a default-seed call in between
+    # (each reseeds the process's streams) do not reach them.
+    policy(layout, MODEL, **config)
+    run_in_layout(second.world, layout, _noop)
     return want, (second.step(train_batch(K_STEPS)), second.hf_state_dict())
+
+
+def _noop(layout) -> None:
+    return None
 
 
 def _bit_exact(a, b) -> bool:
