@@ -158,6 +158,49 @@ def test_dp_reshardable_optimizer_cannot_resume_at_another_tp_pp(policy, device,
     assert same.step(train_batch(1)) == source.step(train_batch(1))
 
 
+def _distinct_adam_steps(worker) -> int:
+    """How many distinct torch-Adam "step" tensors this rank's optimizer holds (one per parameter
+    when healthy; megatron-core 0.16.1's load_state_dict makes them one shared tensor)."""
+    optimizers = getattr(worker.optimizer, "chained_optimizers", [worker.optimizer])
+    return len({id(state["step"]) for dist_opt in optimizers
+                for state in dist_opt.optimizer.state.values() if "step" in state})
+
+
+@pytest.mark.upstream
+def test_dp_reshardable_optimizer_at_another_tp_pp_fails_inside_megatron_and_damages_the_target(
+        policy, device, tmp_path, report):
+    """The buggy variant without the harness's refusal (`variant="dp-reshardable-any-layout"`): a
+    tp2 dp_reshardable checkpoint loaded into a trained pp2 policy. megatron-core 0.16.1 raises deep
+    inside dist_checkpointing (torch's CheckpointException, a BaseException, so `except Exception`
+    misses it: "Global shape mismatch" for the optimizer's flat buffers, which are sized by the
+    saved TP/PP), and only after damaging the live target: its torch_dist loader first zeroes, in
+    place, the template's shape-mismatch-tolerant tensors (the vocab-padded embedding and output
+    layer, which alias the live weights), and building the load template already made every
+    parameter share one Adam step tensor. Nothing is restored when the load fails."""
+    source = policy("tp2", MODEL, **CONFIG)
+    source.step(train_batch(0))
+    source.save(tmp_path / "dp", optimizer_format="dp_reshardable")
+    target = policy("pp2", MODEL, **CONFIG)
+    target.step(train_batch(0))
+    before, steps_before = target.hf_state_dict(), target.apply(_distinct_adam_steps)
+    with pytest.raises(BaseException) as raised:
+        target.load(tmp_path / "dp", variant="dp-reshardable-any-layout")
+    assert type(raised.value).__name__ == "CheckpointException" and not isinstance(raised.value, Exception)
+    assert "Global shape mismatch" in str(raised.value) and "optimizer.distributed" in str(raised.value)
+
+    after, steps_after = target.hf_state_dict(), target.apply(_distinct_adam_steps)
+    changed = sorted(n for n in before if not torch.equal(before[n], after[n]))
+    zeroed = sorted(n for n in changed if not after[n].any())
+    worst = max(((before[n] - after[n]).abs().max().item() for n in changed), default=0.0)
+    report.add("tensors_changed_by_failed_load", len(changed), tolerance=0, passed=not changed,
+               layout="tp2->pp2", variant="dp-reshardable-any-layout", zeroed=zeroed, max_abs=worst)
+    report.add("distinct_adam_steps_after_failed_load", min(steps_after), tolerance=min(steps_before),
+               passed=steps_after == steps_before, layout="tp2->pp2", variant="dp-reshardable-any-layout")
+    assert changed and zeroed == changed == ["lm_head.weight", "model.embed_tokens.weight"], changed
+    assert min(steps_before) > 1 and steps_after == [1, 1], (steps_before, steps_after)
+    assert target.position()["steps_done"] == 1  # the data position was not reached
+
+
 def test_without_fully_parallel_save_and_load_the_checkpoint_is_the_same(policy, device, source_checkpoint,
                                                                           tmp_path):
     """The knobs change who writes and reads which shard, never the content."""
