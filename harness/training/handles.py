@@ -99,8 +99,8 @@ class _Handle:
 
     def apply(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
               **kwargs: Any) -> list[Any]:
-        """`fn(worker, *args, **kwargs)` on every rank (under this handle's layout, RNG untouched);
-        returns each rank's result. `fn` must be a module-level function."""
+        """`fn(worker, *args, **kwargs)` on every rank, under this handle's layout with the worker's
+        own RNG streams swapped in; returns each rank's result. `fn` must be a module-level function."""
         if self.closed:
             raise RuntimeError(f"{self} is closed")
         return run_in_layout(self.world, self.layout, _apply, self.key, fn, args, kwargs,

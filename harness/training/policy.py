@@ -289,7 +289,12 @@ class PolicyWorker:
         """Replace the whole policy state by the checkpoint's (every rank at once; the parent has
         validated it: harness.checkpoint.manager.check_loadable); with load_rng the worker's own
         RNG streams become the saved ones. unshare_adam_steps=False keeps megatron-core's shared
-        Adam step (the `shared-adam-step` variant). Returns the data position loaded."""
+        Adam step (the `shared-adam-step` variant). Returns the data position loaded.
+
+        Not transactional: a load that fails inside dist_checkpointing can leave the live
+        embedding and output layer zeroed and the Adam steps shared (megatron-core 0.16.1, see
+        test_dp_reshardable_optimizer_at_another_tp_pp_fails_inside_megatron_and_damages_the_target),
+        which is why the parent refuses every checkpoint it can tell will not load first."""
         from harness.compat.megatron_core import ensure_optimizer_state, load_optimizer_state_dict
 
         ensure_optimizer_state(self.optimizer)
