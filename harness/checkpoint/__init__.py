@@ -1,11 +1,13 @@
 """Checkpoint manager: save/load a resident policy's whole state with megatron.core.dist_checkpointing.
 
 Parent side: `save_checkpoint`, `load_checkpoint`, `check_loadable` (harness.checkpoint.manager);
-rank side: harness.checkpoint.rank; the manifest: harness.checkpoint.manifest.
+rank side: the policy worker's methods (`PolicyWorker.sharded_state_dict`, `save_checkpoint`,
+`load_checkpoint`) with harness.checkpoint.sharded; the manifest: harness.checkpoint.manifest.
 """
 from harness.checkpoint.errors import CheckpointError
-from harness.checkpoint.manager import OPTIMIZER_FORMATS, check_loadable, load_checkpoint, save_checkpoint
+from harness.checkpoint.manager import LOAD_VARIANTS, OPTIMIZER_FORMATS, check_loadable, load_checkpoint, \
+    save_checkpoint
 from harness.checkpoint.manifest import Manifest, read_manifest
 
-__all__ = ["CheckpointError", "Manifest", "OPTIMIZER_FORMATS", "check_loadable", "load_checkpoint",
+__all__ = ["CheckpointError", "LOAD_VARIANTS", "Manifest", "OPTIMIZER_FORMATS", "check_loadable", "load_checkpoint",
            "read_manifest", "save_checkpoint"]

@@ -6,7 +6,8 @@
 Saving writes into a hidden sibling directory and renames it into place after every rank has
 written and the manifest (files, sizes, sha256) is down, so a crash leaves no directory under the
 target name. Loading validates the manifest, every file, the model and the layout in this process
-first; only then do the ranks replace their state. A refused load changes nothing.
+first; only then do the ranks replace their state. A refused load changes nothing. The rank side
+is the policy worker's: `PolicyWorker.save_checkpoint` / `load_checkpoint` (harness.training.policy).
 """
 from __future__ import annotations
 
@@ -17,13 +18,21 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from harness.checkpoint import rank
 from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.manifest import Manifest, file_table, model_fingerprint, read_manifest, \
     verify_files, write_manifest
+from harness.checkpoint.sharded import OPTIMIZER_FORMATS
 from harness.parallel.layout import parse_layout
 
-OPTIMIZER_FORMATS = rank.OPTIMIZER_FORMATS
+# Upstream bugs, shipped as selectable wrong variants of the load (`variant=`).
+LOAD_VARIANTS = {
+    # megatron-core 0.16.1 without Apex/TE (harness.compat.megatron_core.SHARED_ADAM_STEP): one
+    # Adam step tensor shared by every parameter after a load; the ranks skip our un-sharing.
+    "shared-adam-step": "one Adam step tensor shared by every parameter after a load",
+    # Loading a dp_reshardable optimizer (flat buffers of the saved TP/PP) at another TP/PP: the
+    # parent-side refusal is skipped, so the ranks attempt it and show what megatron-core does.
+    "dp-reshardable-any-layout": "a dp_reshardable optimizer loaded at another TP/PP (no refusal)",
+}
 
 
 def _megatron_version() -> str:
@@ -52,7 +61,8 @@ def save_checkpoint(policy, directory: str | os.PathLike, *, optimizer_format: s
     partial.mkdir()
     try:
         started = time.perf_counter()
-        position = policy.apply(rank.save, str(partial), optimizer_format, fully_parallel_save)[0]
+        position = policy.call("save_checkpoint", str(partial), optimizer_format=optimizer_format,
+                               fully_parallel=fully_parallel_save)[0]
         manifest = Manifest(
             model=str(policy.path), model_config=model_fingerprint(load_hf_config(policy.path)),
             layout=policy.layout.name, world_size=policy.world.size,
@@ -73,10 +83,12 @@ def _same_model_parallelism(a, b) -> bool:
 
 
 def check_loadable(policy, directory: str | os.PathLike, *, load_rng: bool | None = None,
-                   verify_checksums: bool = True) -> tuple[Manifest, bool]:
-    """Everything `load_checkpoint` checks before touching state: (manifest, restore RNG?)."""
+                   verify_checksums: bool = True, variant: str | None = None) -> tuple[Manifest, bool]:
+    """Everything `load_checkpoint` checks before touching state: (manifest, restore RNG?).
+    variant="dp-reshardable-any-layout" skips the dp_reshardable layout check (the buggy variant)."""
     from harness.models import load_hf_config
 
+    _check_variant(variant)
     manifest = read_manifest(directory)
     verify_files(directory, manifest, checksums=verify_checksums)
     want = model_fingerprint(load_hf_config(policy.path))
@@ -90,7 +102,8 @@ def check_loadable(policy, directory: str | os.PathLike, *, load_rng: bool | Non
         raise CheckpointError(f"{directory}: saved from a {manifest.dtype} policy, loading into {dtype}")
     saved = parse_layout(manifest.layout)
     same_layout = saved == policy.layout and manifest.world_size == policy.world.size
-    if manifest.optimizer_format == "dp_reshardable" and not _same_model_parallelism(saved, policy.layout):
+    if (manifest.optimizer_format == "dp_reshardable" and variant != "dp-reshardable-any-layout"
+            and not _same_model_parallelism(saved, policy.layout)):
         raise CheckpointError(
             f"{directory}: its optimizer state is in the dp_reshardable format (flat buffers of the "
             f"{manifest.layout} layout), which reshards across data parallelism only; it cannot be "
@@ -103,19 +116,23 @@ def check_loadable(policy, directory: str | os.PathLike, *, load_rng: bool | Non
     return manifest, same_layout if load_rng is None else bool(load_rng)
 
 
+def _check_variant(variant: str | None) -> None:
+    if variant is not None and variant not in LOAD_VARIANTS:
+        raise CheckpointError(f"unknown load variant {variant!r}; choose from {sorted(LOAD_VARIANTS)}")
+
+
 def load_checkpoint(policy, directory: str | os.PathLike, *, load_rng: bool | None = None,
                     fully_parallel_load: bool = True, verify_checksums: bool = True,
                     variant: str | None = None) -> dict[str, Any]:
     """Replace `policy`'s whole state by the checkpoint's. load_rng: True restores the RNG states
     (same layout only), False keeps the current ones, None restores them when the layout matches.
-    `variant` selects a shipped upstream bug (`rank.LOAD_VARIANTS`). Returns the data position,
+    `variant` selects a shipped upstream bug (`LOAD_VARIANTS`). Returns the data position,
     whether the RNG was restored and the load time."""
-    if variant is not None and variant not in rank.LOAD_VARIANTS:
-        raise CheckpointError(f"unknown load variant {variant!r}; choose from {sorted(rank.LOAD_VARIANTS)}")
     manifest, restore_rng = check_loadable(policy, directory, load_rng=load_rng,
-                                           verify_checksums=verify_checksums)
+                                           verify_checksums=verify_checksums, variant=variant)
     started = time.perf_counter()
-    position = policy.apply(rank.load, str(directory), manifest.optimizer_format, fully_parallel_load,
-                            restore_rng, variant)[0]
+    position = policy.call("load_checkpoint", str(directory), optimizer_format=manifest.optimizer_format,
+                           fully_parallel=fully_parallel_load, load_rng=restore_rng,
+                           unshare_adam_steps=variant != "shared-adam-step")[0]
     return {**position, "rng_restored": restore_rng, "load_s": round(time.perf_counter() - started, 4),
             "manifest": manifest}

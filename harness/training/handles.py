@@ -3,8 +3,10 @@
 A `PolicyHandle` builds a `PolicyWorker` on every rank of a world under one layout and keeps it
 there: each later call (a step, logprobs, an export, a checkpoint save or load) runs on the same
 rank-side objects, so optimizer state, step counters and RNG streams carry over as in a real
-training loop. The first call seeds Megatron's RNG tracker; later calls leave every RNG alone
-(`run_in_layout(..., seed=None)`), so a checkpoint's restored RNG state is what the next step uses.
+training loop. Each worker owns its RNG streams (`harness.training.rng`), seeded from the handle's
+`seed` when it is built: every call on the handle runs with them swapped in and saves them back
+after, so another handle's calls, a new handle or a default-seed `run_in_layout` in between
+change nothing, and a checkpoint's restored RNG state is what the next step uses.
 
     policy = PolicyHandle(world, "tp2", "tiny-qwen3", lr=1e-3, micro_batches=2)
     stats = policy.step(train_batch)      # {"loss", "grad_norm", "lr", "micro_batches": [...]}
@@ -40,21 +42,24 @@ def _worker(key: str):
                            "restarted after a failure (make a new handle)") from None
 
 
-def _create_policy(layout: Layout, key: str, path, config_kwargs: dict[str, Any]) -> None:
+def _create_policy(layout: Layout, key: str, path, config_kwargs: dict[str, Any], seed: int) -> None:
     from harness.training.policy import PolicyConfig, PolicyWorker
 
     _WORKERS[key] = PolicyWorker(path, PolicyConfig(**config_kwargs),
-                                 sequence_parallel=layout.sequence_parallel)
+                                 sequence_parallel=layout.sequence_parallel, seed=seed)
 
 
-def _create_reference(layout: Layout, key: str, path, dtype: torch.dtype) -> None:
+def _create_reference(layout: Layout, key: str, path, dtype: torch.dtype, seed: int) -> None:
     from harness.training.reference import ReferenceWorker
 
-    _WORKERS[key] = ReferenceWorker(path, dtype=dtype, sequence_parallel=layout.sequence_parallel)
+    _WORKERS[key] = ReferenceWorker(path, dtype=dtype, sequence_parallel=layout.sequence_parallel,
+                                    seed=seed)
 
 
 def _apply(layout: Layout, key: str, fn: Callable[..., Any], args, kwargs) -> Any:
-    return fn(_worker(key), *args, **kwargs)
+    worker = _worker(key)
+    with worker.rng.active():  # the worker's own RNG streams for this call, the process's after
+        return fn(worker, *args, **kwargs)
 
 
 def _drop(layout: Layout, key: str) -> None:
@@ -63,8 +68,8 @@ def _drop(layout: Layout, key: str) -> None:
 
 
 # Rank functions a handle applies to its worker (module-level: they travel by reference).
-def _train_step(worker, train_batch):
-    return worker.train_step(train_batch)
+def _call_method(worker, method: str, *args, **kwargs):
+    return getattr(worker, method)(*args, **kwargs)
 
 
 def _export(worker):
@@ -74,13 +79,8 @@ def _export(worker):
     return state if dist.get_rank() == 0 else None
 
 
-def _logprobs(worker, batch, micro_batches):
-    return worker.logprobs(batch, micro_batches)
-
-
 def _position(worker):
-    return {"steps_done": worker.steps_done, "consumed_samples": worker.consumed_samples,
-            "lr": worker.lr}
+    return {**worker.position(), "lr": worker.lr}
 
 
 # ----------------------------------------------------------------------------- parent side
@@ -100,12 +100,16 @@ class _Handle:
 
     def apply(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
               **kwargs: Any) -> list[Any]:
-        """`fn(worker, *args, **kwargs)` on every rank (under this handle's layout, RNG untouched);
-        returns each rank's result. `fn` must be a module-level function."""
+        """`fn(worker, *args, **kwargs)` on every rank, under this handle's layout with the worker's
+        own RNG streams swapped in; returns each rank's result. `fn` must be a module-level function."""
         if self.closed:
             raise RuntimeError(f"{self} is closed")
         return run_in_layout(self.world, self.layout, _apply, self.key, fn, args, kwargs,
                              seed=None, timeout=timeout)
+
+    def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        """`worker.<method>(*args, **kwargs)` on every rank; returns each rank's result."""
+        return self.apply(_call_method, method, *args, timeout=timeout, **kwargs)
 
     def close(self) -> None:
         """Free the rank-side worker (idempotent; a restarted world has nothing to free)."""
@@ -145,12 +149,12 @@ class PolicyHandle(_Handle):
         require(config.get("variant"), check="training", layout=self.layout,
                 config=load_hf_config(self.path))
         self.config = dict(config)
-        run_in_layout(world, self.layout, _create_policy, self.key, self.path, self.config,
-                      model=self.path, seed=seed)
+        run_in_layout(world, self.layout, _create_policy, self.key, self.path, self.config, seed,
+                      model=self.path, seed=None)  # the worker seeds its own streams
 
     def step(self, train_batch) -> dict[str, Any]:
         """One optimizer step on the global batch: loss, grad_norm, lr, micro_batches."""
-        results = self.apply(_train_step, train_batch)
+        results = self.call("train_step", train_batch)
         # Every rank reduces the same global loss and grad norm; a rank that disagrees has trained
         # on something else (a broken group, a wrong shard): fail loudly rather than report rank 0's.
         for rank, result in enumerate(results[1:], start=1):
@@ -192,12 +196,12 @@ class ReferenceHandle(_Handle):
     def __init__(self, world, layout: Layout | str, model="tiny-qwen3", *,
                  dtype: torch.dtype = torch.float32, seed: int = DEFAULT_SEED) -> None:
         super().__init__(world, layout, model, seed)
-        run_in_layout(world, self.layout, _create_reference, self.key, self.path, dtype,
-                      model=self.path, seed=seed)
+        run_in_layout(world, self.layout, _create_reference, self.key, self.path, dtype, seed,
+                      model=self.path, seed=None)  # the worker seeds its own streams
 
     def logprobs(self, batch, micro_batches: int = 1) -> torch.Tensor:
         """[B, S] logprobs of `batch` (0 where undefined), assembled from the ranks."""
         from harness.logprobs.megatron import assemble
 
-        logprobs, _ = assemble(self.apply(_logprobs, batch, micro_batches))
+        logprobs, _ = assemble(self.call("logprobs", batch, micro_batches))
         return logprobs

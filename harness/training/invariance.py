@@ -99,10 +99,6 @@ class InvarianceResult:
         return f"{what}: {status}{tail}"
 
 
-def _replica_divergence(worker) -> float:
-    return worker.replica_divergence()
-
-
 def _check(metric: str, value: float, dtype: str) -> CheckResult:
     bound = training_tolerance(metric, dtype)
     return CheckResult(metric, value, bound, bound.passes(value))
@@ -146,7 +142,7 @@ def compare_to_ground_truth(policy, *, model: str = MODEL) -> InvarianceResult:
     result.checks.append((None, check))
     if not check.passed:
         result.failures.append(f"params: max |diff| {worst:.3g} at {result.worst_tensor}")
-    check = _check("replica_max_abs_diff", policy.apply(_replica_divergence)[0], dtype)
+    check = _check("replica_max_abs_diff", policy.call("replica_divergence")[0], dtype)
     result.checks.append((None, check))
     if not check.passed:
         result.failures.append(f"replicated parameters drifted apart across ranks by {check.value:.3g}")

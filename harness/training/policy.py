@@ -30,8 +30,12 @@ from typing import Any, Iterator
 
 import torch
 
+from harness.checkpoint.sharded import OPTIMIZER_FORMATS, load_sharded, model_keys, rng_sharded_object, \
+    save_sharded
+from harness.parallel.state import DEFAULT_SEED
 from harness.training.loss import loss_counts, rl_loss
 from harness.training.rl_data import RLTrainBatch
+from harness.training.rng import RNGStreams
 from harness.variants import require
 
 
@@ -68,10 +72,19 @@ class PolicyWorker:
 
     Build it on every rank of the world at once, inside a Megatron layout. `steps_done` and
     `consumed_samples` (global rows trained on) are the data position a checkpoint records.
+    `rng` holds the worker's own RNG streams, seeded from `seed` and the layout alone; run each
+    call on the worker inside `worker.rng.active()` (the handles do) so that its dropout stream
+    continues from its previous call whatever else the process ran in between.
     """
 
     def __init__(self, path, config: PolicyConfig | None = None, *, sequence_parallel: bool = False,
-                 **overrides: Any) -> None:
+                 seed: int = DEFAULT_SEED, **overrides: Any) -> None:
+        self.rng = RNGStreams.seeded(seed)
+        with self.rng.active():  # building draws from the streams (e.g. initializers)
+            self._build(path, config, sequence_parallel, overrides)
+
+    def _build(self, path, config: PolicyConfig | None, sequence_parallel: bool,
+               overrides: dict[str, Any]) -> None:
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -133,19 +146,15 @@ class PolicyWorker:
     def train_step(self, train_batch: RLTrainBatch) -> dict[str, Any]:
         """One optimizer step on the GLOBAL train_batch (identical on every rank)."""
         from harness.launch import context
-        from harness.logprobs.megatron import _right_padded
+        from harness.logprobs.micro_batches import split_micro_batches
 
         ps = self.ps
-        device = context().device
         n_micro = self.config.micro_batches
         dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         tokens_total, seqs_total = loss_counts(train_batch)  # the WHOLE global batch
         local = train_batch.split(dp_size)[dp_rank]
-        if n_micro < 1 or local.batch_size % n_micro:
-            raise ValueError(f"{local.batch_size} rows per data-parallel rank do not split into "
-                             f"{n_micro} micro-batches")
-        parts = local.split(n_micro)
-        micros = [_right_padded(p.batch) for p in parts]
+        micros = split_micro_batches(local.batch, n_micro)  # checks the count divides the rows
+        parts = local.split(n_micro)  # the same rows, with their advantages, old logprobs, ...
         # Undo Megatron's loss /= num_microbatches, loss *= cp and the DDP 1/dp grad pre-scaling:
         # per-part losses are already normalised by the global counts, so grads must simply add.
         # (Megatron multiplies by cp_size and DDP divides by dp_size * cp_size: cp cancels.)
@@ -157,46 +166,28 @@ class PolicyWorker:
             model.zero_grad_buffer()
         self.optimizer.zero_grad()
         with _deterministic(self.config.deterministic):
-            return self._step(train_batch, micros, parts, scale, tokens_total, seqs_total, device)
+            return self._step(train_batch, micros, parts, scale, tokens_total, seqs_total,
+                              context().device)
 
     def _step(self, train_batch, micros, parts, scale, tokens_total, seqs_total, device) -> dict[str, Any]:
         import torch.distributed as dist
-        from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from harness.logprobs.megatron import _shift_to_tokens
-        from harness.logprobs.vocab_parallel import vocab_parallel_logprobs
+        from harness.logprobs.schedule import run_schedule, token_logprobs
 
         ps = self.ps
-        n_micro = self.config.micro_batches
         local_losses: dict[int, torch.Tensor] = {}
 
-        def forward_step(data_iterator, model):
-            index = next(data_iterator)
-            micro = micros[index]
-            tokens = micro.tokens.to(device)
-            positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
-            output = model(tokens, positions, None)
-
+        def loss_for(index, micro, tokens):
             def loss_func(logits: torch.Tensor):
-                per_position = vocab_parallel_logprobs(logits[:, :-1], tokens[:, 1:],
-                                                       self.true_vocab).float()
-                logprobs = micro.unmap(_shift_to_tokens(per_position.cpu(), 0.0))
+                logprobs = token_logprobs(logits, tokens, micro, self.true_vocab)
                 loss, _ = rl_loss(logprobs, parts[index], global_token_count=tokens_total,
                                   global_seq_count=seqs_total, **self.config.loss_kwargs)
                 local_losses[index] = loss.detach()
                 return (loss * scale).to(device), {"loss": loss.detach()}
 
-            return output, loss_func
+            return loss_func
 
-        chunks = list(self.models)
-        order = list(range(n_micro))
-        get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=[iter(order) for _ in chunks] if len(chunks) > 1 else iter(order),
-            model=chunks if len(chunks) > 1 else chunks[0],
-            num_microbatches=n_micro, seq_length=micros[0].tokens.shape[1],
-            micro_batch_size=micros[0].tokens.shape[0], forward_only=False,
-        )
+        run_schedule(self.models, micros, loss_for, forward_only=False)
         lr = self.lr
         success, grad_norm, _num_zeros = self.optimizer.step()
         if not success:
@@ -207,7 +198,7 @@ class PolicyWorker:
         last = ps.is_pipeline_last_stage(ignore_virtual=True)
         value = torch.zeros((), dtype=torch.float64, device=device)
         if last:
-            value += sum(float(local_losses[i]) for i in order)
+            value += sum(float(local_losses[i]) for i in range(len(micros)))
         dist.all_reduce(value, group=ps.get_data_parallel_group())
         if ps.get_pipeline_model_parallel_world_size() > 1:
             dist.broadcast(value, src=ps.get_pipeline_model_parallel_last_rank(),
@@ -299,6 +290,76 @@ class PolicyWorker:
         result = worst.to(full[next(iter(full))].device)
         dist.all_reduce(result, op=dist.ReduceOp.MAX)
         return float(result)
+
+    # ------------------------------------------------- checkpoints (rank side of harness.checkpoint)
+    def _chunks(self) -> list[torch.nn.Module]:
+        from mbridge.core.util import unwrap_model
+
+        return unwrap_model(list(self.models))
+
+    def position(self) -> dict[str, int]:
+        return {"steps_done": self.steps_done, "consumed_samples": self.consumed_samples}
+
+    def sharded_state_dict(self, optimizer_format: str = "fully_reshardable", *, is_loading: bool = False,
+                           with_rng: bool = True) -> dict[str, Any]:
+        """The whole policy state as Megatron's sharded state dict (Megatron-LM's keys):
+        ``model``/``model0..`` (one per virtual pipeline chunk), ``optimizer`` (DistributedOptimizer
+        state in `optimizer_format`), ``scheduler`` and ``position`` (saved once), and
+        ``rng_state`` (this worker's RNG streams, per rank)."""
+        if optimizer_format not in OPTIMIZER_FORMATS:
+            raise ValueError(f"unknown optimizer format {optimizer_format!r}; choose from {OPTIMIZER_FORMATS}")
+        ps = self.ps
+        chunks = self._chunks()
+        state: dict[str, Any] = {}
+        for i, (name, chunk) in enumerate(zip(model_keys(len(chunks)), chunks)):
+            if len(chunks) > 1:
+                ps.set_virtual_pipeline_model_parallel_rank(i)
+            state[name] = chunk.sharded_state_dict()
+        if len(chunks) > 1:
+            ps.set_virtual_pipeline_model_parallel_rank(0)
+        state["optimizer"] = self.optimizer.sharded_state_dict(
+            state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": optimizer_format})
+        state["scheduler"] = self.scheduler.state_dict()
+        state["position"] = self.position()
+        if with_rng:
+            state["rng_state"] = rng_sharded_object(self.rng.current())
+        return state
+
+    def save_checkpoint(self, directory: str, *, optimizer_format: str = "fully_reshardable",
+                        fully_parallel: bool = True) -> dict[str, int]:
+        """Write this rank's part of the policy into `directory` (every rank at once); returns the
+        data position saved. The directory's atomicity and manifest are the parent's
+        (harness.checkpoint.manager)."""
+        save_sharded(self.sharded_state_dict(optimizer_format), directory, optimizer_format, fully_parallel)
+        return self.position()
+
+    def load_checkpoint(self, directory: str, *, optimizer_format: str = "fully_reshardable",
+                        fully_parallel: bool = True, load_rng: bool = False,
+                        unshare_adam_steps: bool = True) -> dict[str, int]:
+        """Replace the whole policy state by the checkpoint's (every rank at once; the parent has
+        validated it: harness.checkpoint.manager.check_loadable); with load_rng the worker's own
+        RNG streams become the saved ones. unshare_adam_steps=False keeps megatron-core's shared
+        Adam step (the `shared-adam-step` variant). Returns the data position loaded.
+
+        Not transactional: a load that fails inside dist_checkpointing can leave the live
+        embedding and output layer zeroed and the Adam steps shared (megatron-core 0.16.1, see
+        test_dp_reshardable_optimizer_at_another_tp_pp_fails_inside_megatron_and_damages_the_target),
+        which is why the parent refuses every checkpoint it can tell will not load first."""
+        from harness.compat.megatron_core import ensure_optimizer_state, load_optimizer_state_dict
+
+        ensure_optimizer_state(self.optimizer)
+        template = self.sharded_state_dict(optimizer_format, is_loading=True, with_rng=load_rng)
+        loaded = load_sharded(template, directory, fully_parallel)
+        chunks = self._chunks()
+        for name, chunk in zip(model_keys(len(chunks)), chunks):
+            chunk.load_state_dict(loaded[name])
+        load_optimizer_state_dict(self.optimizer, loaded["optimizer"], unshare_steps=unshare_adam_steps)
+        self.scheduler.load_state_dict(loaded["scheduler"])
+        self.steps_done = int(loaded["position"]["steps_done"])
+        self.consumed_samples = int(loaded["position"]["consumed_samples"])
+        if load_rng:
+            self.rng.replace(loaded["rng_state"])
+        return self.position()
 
 
 @contextmanager

@@ -9,15 +9,21 @@ import torch
 
 from harness.data.rl_batch import RLBatch
 from harness.logprobs.megatron import RankLogprobs, megatron_logprobs
+from harness.parallel.state import DEFAULT_SEED
+from harness.training.rng import RNGStreams
 
 
 class ReferenceWorker:
-    """This rank's share of a frozen Megatron model loaded through the bridge."""
+    """This rank's share of a frozen Megatron model loaded through the bridge; `rng` holds its own
+    RNG streams, as `PolicyWorker`'s (a frozen forward draws none, but building may)."""
 
-    def __init__(self, path, *, dtype: torch.dtype = torch.float32, sequence_parallel: bool = False):
+    def __init__(self, path, *, dtype: torch.dtype = torch.float32, sequence_parallel: bool = False,
+                 seed: int = DEFAULT_SEED):
         from harness.bridge import load_megatron_model
 
-        self.models = load_megatron_model(path, dtype=dtype, sequence_parallel=sequence_parallel)
+        self.rng = RNGStreams.seeded(seed)
+        with self.rng.active():
+            self.models = load_megatron_model(path, dtype=dtype, sequence_parallel=sequence_parallel)
         for model in self.models:
             model.eval()
             model.requires_grad_(False)  # frozen: a reference model must never receive updates

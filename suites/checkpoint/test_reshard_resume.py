@@ -14,8 +14,9 @@ import torch
 
 from harness.checkpoint import CheckpointError
 from harness.checkpoint.diff import diff_checkpoints
+from harness.parallel.state import run_in_layout
 from harness.training.tolerances import training_tolerance
-from suites.checkpoint.conftest import CONFIG, K_STEPS, MODEL, train_batch
+from suites.checkpoint.common import CONFIG, K_STEPS, MODEL, train_batch
 
 # The issue's pairs (tp1 fills the world with dp), plus tp2pp2 -> tp4: TP4 pads the vocab to 512
 # rows where TP2 pads it to 256, so the two checkpoints' embeddings differ in shape.
@@ -95,7 +96,15 @@ def _dropout_resume(policy, layout, tmp_path, load_rng):
     second = policy(layout, MODEL, **config)  # built (and seeded) afresh: its RNG is not first's
     info = second.load(tmp_path / "ckpt", load_rng=load_rng)
     assert info["rng_restored"] is load_rng
+    # The loaded RNG states are the worker's own: a new handle and a default-seed call in between
+    # (each reseeds the process's streams) do not reach them.
+    policy(layout, MODEL, **config)
+    run_in_layout(second.world, layout, _noop)
     return want, (second.step(train_batch(K_STEPS)), second.hf_state_dict())
+
+
+def _noop(layout) -> None:
+    return None
 
 
 def _bit_exact(a, b) -> bool:
@@ -147,6 +156,49 @@ def test_dp_reshardable_optimizer_cannot_resume_at_another_tp_pp(policy, device,
     want, got = source.hf_state_dict(), same.hf_state_dict()
     assert all(torch.equal(want[n], got[n]) for n in want)
     assert same.step(train_batch(1)) == source.step(train_batch(1))
+
+
+def _distinct_adam_steps(worker) -> int:
+    """How many distinct torch-Adam "step" tensors this rank's optimizer holds (one per parameter
+    when healthy; megatron-core 0.16.1's load_state_dict makes them one shared tensor)."""
+    optimizers = getattr(worker.optimizer, "chained_optimizers", [worker.optimizer])
+    return len({id(state["step"]) for dist_opt in optimizers
+                for state in dist_opt.optimizer.state.values() if "step" in state})
+
+
+@pytest.mark.upstream
+def test_dp_reshardable_optimizer_at_another_tp_pp_fails_inside_megatron_and_damages_the_target(
+        policy, device, tmp_path, report):
+    """The buggy variant without the harness's refusal (`variant="dp-reshardable-any-layout"`): a
+    tp2 dp_reshardable checkpoint loaded into a trained pp2 policy. megatron-core 0.16.1 raises deep
+    inside dist_checkpointing (torch's CheckpointException, a BaseException, so `except Exception`
+    misses it: "Global shape mismatch" for the optimizer's flat buffers, which are sized by the
+    saved TP/PP), and only after damaging the live target: its torch_dist loader first zeroes, in
+    place, the template's shape-mismatch-tolerant tensors (the vocab-padded embedding and output
+    layer, which alias the live weights), and building the load template already made every
+    parameter share one Adam step tensor. Nothing is restored when the load fails."""
+    source = policy("tp2", MODEL, **CONFIG)
+    source.step(train_batch(0))
+    source.save(tmp_path / "dp", optimizer_format="dp_reshardable")
+    target = policy("pp2", MODEL, **CONFIG)
+    target.step(train_batch(0))
+    before, steps_before = target.hf_state_dict(), target.apply(_distinct_adam_steps)
+    with pytest.raises(BaseException) as raised:
+        target.load(tmp_path / "dp", variant="dp-reshardable-any-layout")
+    assert type(raised.value).__name__ == "CheckpointException" and not isinstance(raised.value, Exception)
+    assert "Global shape mismatch" in str(raised.value) and "optimizer.distributed" in str(raised.value)
+
+    after, steps_after = target.hf_state_dict(), target.apply(_distinct_adam_steps)
+    changed = sorted(n for n in before if not torch.equal(before[n], after[n]))
+    zeroed = sorted(n for n in changed if not after[n].any())
+    worst = max(((before[n] - after[n]).abs().max().item() for n in changed), default=0.0)
+    report.add("tensors_changed_by_failed_load", len(changed), tolerance=0, passed=not changed,
+               layout="tp2->pp2", variant="dp-reshardable-any-layout", zeroed=zeroed, max_abs=worst)
+    report.add("distinct_adam_steps_after_failed_load", min(steps_after), tolerance=min(steps_before),
+               passed=steps_after == steps_before, layout="tp2->pp2", variant="dp-reshardable-any-layout")
+    assert changed and zeroed == changed == ["lm_head.weight", "model.embed_tokens.weight"], changed
+    assert min(steps_before) > 1 and steps_after == [1, 1], (steps_before, steps_after)
+    assert target.position()["steps_done"] == 1  # the data position was not reached
 
 
 def test_without_fully_parallel_save_and_load_the_checkpoint_is_the_same(policy, device, source_checkpoint,

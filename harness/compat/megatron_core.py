@@ -1,0 +1,147 @@
+"""megatron-core workarounds (rank-side), each gated on the versions it was verified on.
+
+Every patch the harness applies to megatron-core behaviour is here, with the upstream bug it works
+around. All four concern the DistributedOptimizer without Apex/Transformer Engine, where Megatron
+falls back to torch's Adam, which keeps a per-parameter "step" tensor that Megatron's checkpoint
+code does not expect:
+
+- `NEVER_STEPPED_ADAM`: `DistributedOptimizer.state_dict()` (called by `sharded_state_dict` when
+  loading) asserts every parameter's state has one common "step"; a fresh torch Adam has no state
+  at all, and Megatron's `init_state_fn` adds the moments but no step.
+- `STEP_KEY_ERROR`: `load_parameter_state_from_fully_reshardable` copies every key of a
+  parameter's live optimizer state from the checkpoint, whose per-parameter state has no "step"
+  (Megatron restores it from the param groups in `load_state_dict`): KeyError: 'step'.
+- `SHARED_ADAM_STEP` (found by this harness): `DistributedOptimizer.load_state_dict` gives every
+  parameter the SAME "step" tensor, and torch Adam increments each parameter's step in place, so
+  the first step after a load advances it once per parameter (2 -> 37 with 35 parameters): wrong
+  bias correction, the resumed weights drift (2.5e-4 after one step on tiny-qwen3).
+- `DP_RESHARDABLE_GRAD_COPY`: `load_parameter_state_from_dp_reshardable` lacks the `no_grad` its
+  siblings have and copies in place into leaf main params that require grad (RuntimeError).
+
+The gate: a workaround is applied only on a megatron-core version in its `verified_on`. On any
+other version `require` raises `UnverifiedMegatronCoreError` before any state changes, rather than
+warn: the harness exists to certify numerics, a patch applied to code nobody checked it against can
+silently change them (or mask a fix upstream), and a warning on a rank process ends up in a rank
+log nobody reads. Re-verify with suites/checkpoint (the `upstream` tests show whether each bug is
+still there), then add the version to `verified_on`.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+
+class UnverifiedMegatronCoreError(RuntimeError):
+    """A workaround was asked for on a megatron-core version it was not verified on."""
+
+
+@dataclass(frozen=True)
+class Workaround:
+    name: str
+    bug: str  # the upstream behaviour it works around, in one line
+    verified_on: tuple[str, ...]  # megatron-core versions (package_info.__version__)
+
+
+NEVER_STEPPED_ADAM = Workaround(
+    "never-stepped-adam", "DistributedOptimizer.state_dict() asserts a common torch-Adam 'step' "
+    "that a never-stepped optimizer lacks", ("0.16.1",))
+STEP_KEY_ERROR = Workaround(
+    "fully-reshardable-step-keyerror", "load_parameter_state_from_fully_reshardable raises "
+    "KeyError: 'step' with torch Adam", ("0.16.1",))
+SHARED_ADAM_STEP = Workaround(
+    "shared-adam-step", "DistributedOptimizer.load_state_dict gives every parameter one shared "
+    "torch-Adam 'step' tensor", ("0.16.1",))
+DP_RESHARDABLE_GRAD_COPY = Workaround(
+    "dp-reshardable-grad-copy", "load_parameter_state_from_dp_reshardable copies in place into "
+    "leaf main params without no_grad", ("0.16.1",))
+WORKAROUNDS = (NEVER_STEPPED_ADAM, STEP_KEY_ERROR, SHARED_ADAM_STEP, DP_RESHARDABLE_GRAD_COPY)
+
+
+def mcore_version() -> str:
+    from megatron.core import package_info
+
+    return package_info.__version__
+
+
+def require(*workarounds: Workaround) -> None:
+    """Raise UnverifiedMegatronCoreError unless every workaround was verified on this version."""
+    version = mcore_version()
+    unverified = [w for w in workarounds if version not in w.verified_on]
+    if unverified:
+        raise UnverifiedMegatronCoreError(
+            f"megatron-core {version}: " + "; ".join(
+                f"the workaround {w.name!r} ({w.bug}) was verified on {', '.join(w.verified_on)} only"
+                for w in unverified)
+            + ". Re-verify it on this version (suites/checkpoint, its `upstream` tests) and add the "
+              "version to its verified_on in harness/compat/megatron_core.py.")
+
+
+def _distributed_optimizers(optimizer) -> list:
+    """The DistributedOptimizers of a (possibly chained) Megatron optimizer."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _torch_adams(optimizer) -> list[torch.optim.Optimizer]:
+    return [dist_opt.optimizer for dist_opt in _distributed_optimizers(optimizer)]
+
+
+def ensure_optimizer_state(optimizer) -> None:
+    """`NEVER_STEPPED_ADAM`: give a never-stepped optimizer the state tensors a load overwrites
+    (zero moments, step 0: what torch Adam's first step would start from)."""
+    require(NEVER_STEPPED_ADAM)
+    for inner in _torch_adams(optimizer):
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if not inner.state[p]:
+                    inner.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p.data),
+                                          exp_avg_sq=torch.zeros_like(p.data))
+
+
+@contextmanager
+def _step_aside(optimizer) -> Iterator[None]:
+    """`STEP_KEY_ERROR`: hold each parameter's "step" aside while its state is copied in."""
+    held: list[tuple[dict, Any]] = []
+    for inner in _torch_adams(optimizer):
+        for state in inner.state.values():
+            if "step" in state:
+                held.append((state, state.pop("step")))
+    try:
+        yield
+    finally:
+        for state, step in held:
+            state["step"] = step
+
+
+def _unshare_steps(optimizer) -> None:
+    """`SHARED_ADAM_STEP`: give each parameter its own copy of the shared "step" tensor."""
+    for inner in _torch_adams(optimizer):
+        for state in inner.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+
+def load_optimizer_state_dict(optimizer, state_dict: dict, *, unshare_steps: bool = True) -> None:
+    """`optimizer.load_state_dict(state_dict)` with the workarounds a load needs (the gate is
+    checked before anything changes). unshare_steps=False keeps `SHARED_ADAM_STEP` (the shipped
+    buggy variant)."""
+    require(STEP_KEY_ERROR, DP_RESHARDABLE_GRAD_COPY, *([SHARED_ADAM_STEP] if unshare_steps else []))
+    dist_opts = _distributed_optimizers(optimizer)
+    for dist_opt in dist_opts:  # instance attributes shadow the class method for this load only
+        original = dist_opt.load_parameter_state_from_fully_reshardable
+
+        def load_param_state(param_state, _original=original, _opt=dist_opt):
+            with _step_aside(_opt):
+                _original(param_state)
+
+        dist_opt.load_parameter_state_from_fully_reshardable = load_param_state
+    try:
+        with torch.no_grad():  # DP_RESHARDABLE_GRAD_COPY
+            optimizer.load_state_dict(state_dict)
+    finally:
+        for dist_opt in dist_opts:
+            del dist_opt.load_parameter_state_from_fully_reshardable  # back to the class method
+    if unshare_steps:
+        _unshare_steps(optimizer)

@@ -1,0 +1,78 @@
+"""The megatron-core workarounds (harness.compat.megatron_core) apply only on the versions they
+were verified on; on any other one they refuse with one clear error before any state changes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.compat import megatron_core as compat
+from suites.checkpoint.common import CONFIG, MODEL, train_batch
+
+
+class _FakeDistributedOptimizer:
+    """What the workarounds touch of a DistributedOptimizer: its inner torch optimizer."""
+
+    def __init__(self):
+        self.optimizer = torch.optim.Adam([torch.nn.Parameter(torch.ones(3))])
+
+
+@pytest.fixture
+def version(monkeypatch):
+    from megatron.core import package_info
+
+    def set_version(value: str) -> None:
+        monkeypatch.setattr(package_info, "__version__", value)
+
+    return set_version
+
+
+def test_every_workaround_is_verified_on_the_installed_version():
+    compat.require(*compat.WORKAROUNDS)  # the pinned megatron-core: raises if any is not
+    assert all(w.verified_on and w.bug for w in compat.WORKAROUNDS)
+
+
+@pytest.mark.parametrize("workaround", compat.WORKAROUNDS, ids=lambda w: w.name)
+def test_an_unverified_version_is_refused(version, workaround):
+    version("0.16.2")
+    with pytest.raises(compat.UnverifiedMegatronCoreError, match=rf"megatron-core 0\.16\.2: .*{workaround.name}"):
+        compat.require(workaround)
+
+
+def test_the_patches_check_the_gate_before_touching_anything(version):
+    fake = _FakeDistributedOptimizer()
+    version("0.17.0")
+    with pytest.raises(compat.UnverifiedMegatronCoreError):
+        compat.ensure_optimizer_state(fake)
+    with pytest.raises(compat.UnverifiedMegatronCoreError):
+        compat.load_optimizer_state_dict(fake, {})
+    assert not fake.optimizer.state  # nothing was applied
+
+    version("0.16.1")
+    compat.ensure_optimizer_state(fake)  # applied: a never-stepped Adam gets its state tensors
+    (state,) = fake.optimizer.state.values()
+    assert set(state) == {"step", "exp_avg", "exp_avg_sq"} and float(state["step"]) == 0.0
+
+
+def _set_mcore_version(worker, value: str) -> str:
+    from megatron.core import package_info
+
+    previous, package_info.__version__ = package_info.__version__, value
+    return previous
+
+
+def test_a_load_on_an_unverified_version_fails_before_the_policy_changes(policy, device, tmp_path):
+    source = policy("tp2", MODEL, **CONFIG)
+    source.step(train_batch(0))
+    source.save(tmp_path / "ckpt")
+    target = policy("tp2", MODEL, **CONFIG)
+    before = target.hf_state_dict()
+    previous = target.apply(_set_mcore_version, "0.16.2")[0]
+    try:
+        with pytest.raises(compat.UnverifiedMegatronCoreError, match="never-stepped-adam"):
+            target.load(tmp_path / "ckpt")
+    finally:
+        target.apply(_set_mcore_version, previous)
+    after = target.hf_state_dict()
+    assert target.position()["steps_done"] == 0 and all(torch.equal(before[n], after[n]) for n in before)
+    target.load(tmp_path / "ckpt")  # and on the verified version the same load goes through
+    assert target.position()["steps_done"] == 1
