@@ -5,9 +5,9 @@ rank side: the policy worker's methods (`PolicyWorker.sharded_state_dict`, `save
 `load_checkpoint`) with harness.checkpoint.sharded; the manifest: harness.checkpoint.manifest.
 """
 from harness.checkpoint.errors import CheckpointError
-from harness.checkpoint.manager import LOAD_VARIANTS, OPTIMIZER_FORMATS, check_loadable, load_checkpoint, \
+from harness.checkpoint.manager import IMPLEMENTED, OPTIMIZER_FORMATS, check_loadable, load_checkpoint, \
     save_checkpoint
 from harness.checkpoint.manifest import Manifest, read_manifest
 
-__all__ = ["CheckpointError", "LOAD_VARIANTS", "Manifest", "OPTIMIZER_FORMATS", "check_loadable", "load_checkpoint",
+__all__ = ["CheckpointError", "IMPLEMENTED", "Manifest", "OPTIMIZER_FORMATS", "check_loadable", "load_checkpoint",
            "read_manifest", "save_checkpoint"]

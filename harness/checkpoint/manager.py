@@ -23,16 +23,14 @@ from harness.checkpoint.manifest import Manifest, file_table, model_fingerprint,
     verify_files, write_manifest
 from harness.checkpoint.sharded import OPTIMIZER_FORMATS
 from harness.parallel.layout import parse_layout
+from harness.variants import VariantError, require
 
-# Upstream bugs, shipped as selectable wrong variants of the load (`variant=`).
-LOAD_VARIANTS = {
-    # megatron-core 0.16.1 without Apex/TE (harness.compat.megatron_core.SHARED_ADAM_STEP): one
-    # Adam step tensor shared by every parameter after a load; the ranks skip our un-sharing.
-    "shared-adam-step": "one Adam step tensor shared by every parameter after a load",
-    # Loading a dp_reshardable optimizer (flat buffers of the saved TP/PP) at another TP/PP: the
-    # parent-side refusal is skipped, so the ranks attempt it and show what megatron-core does.
-    "dp-reshardable-any-layout": "a dp_reshardable optimizer loaded at another TP/PP (no refusal)",
-}
+# The checkpoint variants of the catalog (harness.variants) the load implements:
+# shared-adam-step: the ranks skip our un-sharing of the Adam step (harness.compat.megatron_core);
+# rng-not-restored: the RNG streams are never restored (load_rng forced off);
+# dp-reshardable: the refusal of a dp_reshardable optimizer at another TP/PP is skipped, so the
+#   ranks attempt it and show what megatron-core does.
+IMPLEMENTED = ("shared-adam-step", "rng-not-restored", "dp-reshardable")
 
 
 def _megatron_version() -> str:
@@ -85,10 +83,13 @@ def _same_model_parallelism(a, b) -> bool:
 def check_loadable(policy, directory: str | os.PathLike, *, load_rng: bool | None = None,
                    verify_checksums: bool = True, variant: str | None = None) -> tuple[Manifest, bool]:
     """Everything `load_checkpoint` checks before touching state: (manifest, restore RNG?).
-    variant="dp-reshardable-any-layout" skips the dp_reshardable layout check (the buggy variant)."""
+    variant="dp-reshardable" skips the dp_reshardable layout check (the buggy variant)."""
     from harness.models import load_hf_config
 
-    _check_variant(variant)
+    try:
+        require(variant, check="checkpoint")
+    except VariantError as exc:
+        raise CheckpointError(str(exc)) from None
     manifest = read_manifest(directory)
     verify_files(directory, manifest, checksums=verify_checksums)
     want = model_fingerprint(load_hf_config(policy.path))
@@ -102,7 +103,7 @@ def check_loadable(policy, directory: str | os.PathLike, *, load_rng: bool | Non
         raise CheckpointError(f"{directory}: saved from a {manifest.dtype} policy, loading into {dtype}")
     saved = parse_layout(manifest.layout)
     same_layout = saved == policy.layout and manifest.world_size == policy.world.size
-    if (manifest.optimizer_format == "dp_reshardable" and variant != "dp-reshardable-any-layout"
+    if (manifest.optimizer_format == "dp_reshardable" and variant != "dp-reshardable"
             and not _same_model_parallelism(saved, policy.layout)):
         raise CheckpointError(
             f"{directory}: its optimizer state is in the dp_reshardable format (flat buffers of the "
@@ -116,20 +117,16 @@ def check_loadable(policy, directory: str | os.PathLike, *, load_rng: bool | Non
     return manifest, same_layout if load_rng is None else bool(load_rng)
 
 
-def _check_variant(variant: str | None) -> None:
-    if variant is not None and variant not in LOAD_VARIANTS:
-        raise CheckpointError(f"unknown load variant {variant!r}; choose from {sorted(LOAD_VARIANTS)}")
-
-
 def load_checkpoint(policy, directory: str | os.PathLike, *, load_rng: bool | None = None,
                     fully_parallel_load: bool = True, verify_checksums: bool = True,
                     variant: str | None = None) -> dict[str, Any]:
     """Replace `policy`'s whole state by the checkpoint's. load_rng: True restores the RNG states
     (same layout only), False keeps the current ones, None restores them when the layout matches.
-    `variant` selects a shipped upstream bug (`LOAD_VARIANTS`). Returns the data position,
+    `variant` is a checkpoint variant of the catalog (`IMPLEMENTED`). Returns the data position,
     whether the RNG was restored and the load time."""
     manifest, restore_rng = check_loadable(policy, directory, load_rng=load_rng,
                                            verify_checksums=verify_checksums, variant=variant)
+    restore_rng = restore_rng and variant != "rng-not-restored"
     started = time.perf_counter()
     position = policy.call("load_checkpoint", str(directory), optimizer_format=manifest.optimizer_format,
                            fully_parallel=fully_parallel_load, load_rng=restore_rng,

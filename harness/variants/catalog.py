@@ -46,7 +46,9 @@ class Variant:
     upstream: str | None = None  # project + PR/issue, where the bug was reported
     # (layout, hf_config) -> None, or why the variant cannot show under that layout/model.
     requires: Callable[[Any, Any], str | None] | None = None
-    default_layout: str = "tp2"  # where `mrh repro ID` runs it unless told otherwise
+    # Where `mrh repro ID` runs it unless told otherwise: a layout, or "source->target" for a resume.
+    default_layout: str = "tp2"
+    options: tuple[tuple[str, Any], ...] = ()  # what the check needs to show it (e.g. dropout on)
 
     def why_not(self, layout, config) -> str | None:
         return self.requires(layout, config) if self.requires else None
@@ -76,10 +78,6 @@ def _needs_a_cross_rank_grad_reduction(layout, config) -> str | None:
     if layout.dp > 1 or (layout.tp > 1 and (qk_norm or layout.sequence_parallel)) or tied_pp:
         return None
     return "needs a gradient reduced across ranks (dp >= 2, tp >= 2 with QK-norm or SP, or tied PP)"
-
-
-def _needs_other_model_parallelism(layout, config) -> str | None:
-    return None  # the check loads at another TP/PP than the save (see the repro scenario)
 
 
 # ------------------------------------------------------------------------------------- catalog
@@ -140,22 +138,26 @@ _ENTRIES: tuple[Variant, ...] = (
             "after a load, every parameter's torch-Adam state shares one `step` tensor, which "
             "each parameter's update increments: wrong bias correction on the first resumed step",
             "the resumed loss and grad norm match; the weights drift (~2.5e-4 after one step)",
-            "resume vs the uninterrupted run: next-step param_max_abs_diff",
+            "resume vs the uninterrupted run: next-step param_max_abs_diff (bit-exact at the same "
+            "layout; fp32 bound at another)",
             upstream="megatron-core 0.16.1 DistributedOptimizer.load_state_dict without Apex/TE "
-                     "(found by this harness)"),
+                     "(found by this harness)", default_layout="tp2->tp2"),
     Variant("rng-not-restored", "checkpoint", "upstream-bug",
             "the RNG states are not restored on resume (load_rng hard-coded off)",
             "with dropout on, the resumed step differs from the uninterrupted one",
             "same-layout resume with dropout 0.1 vs the uninterrupted run: bit-exact next step",
-            upstream="NeMo-RL PR 2391 (fully_parallel_save/load and load_rng hard-coded)"),
+            upstream="NeMo-RL PR 2391 (fully_parallel_save/load and load_rng hard-coded)",
+            default_layout="tp2->tp2", options=(("dropout", 0.1),)),
     Variant("dp-reshardable", "checkpoint", "upstream-bug",
             "optimizer state saved in the dp_reshardable format (flat buffers of one TP/PP layout) "
             "and resumed at another TP/PP",
-            "resume under another layout loads the wrong optimizer state (or fails)",
-            "resume at another TP/PP vs the source checkpoint: optimizer tensors and next step",
+            "megatron-core 0.16.1 raises inside dist_checkpointing (CheckpointException, a "
+            "BaseException) after zeroing the live embedding and output layer",
+            "resume at another TP/PP: a load that cannot complete must change nothing "
+            "(tensors_changed_by_failed_load)",
             upstream="SkyRL PR 298 / Megatron dist-checkpointing (only fully_reshardable optimizer "
                      "state reshards across TP/PP)",
-            requires=_needs_other_model_parallelism),
+            default_layout="tp2->pp2", options=(("optimizer_format", "dp_reshardable"),)),
 )
 
 CATALOG: dict[str, Variant] = {v.id: v for v in _ENTRIES}

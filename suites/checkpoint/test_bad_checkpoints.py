@@ -7,7 +7,7 @@ import torch
 
 from harness.checkpoint import CheckpointError, read_manifest
 from harness.checkpoint.manifest import MANIFEST
-from suites.checkpoint.common import CONFIG, MODEL, train_batch
+from harness.checkpoint.resume_check import CONFIG, MODEL, train_batch
 
 
 @pytest.fixture

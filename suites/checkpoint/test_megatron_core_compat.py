@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from harness.compat import megatron_core as compat
-from suites.checkpoint.common import CONFIG, MODEL, train_batch
+from harness.checkpoint.resume_check import CONFIG, MODEL, train_batch
 
 
 class _FakeDistributedOptimizer:

@@ -1,0 +1,144 @@
+"""Resume invariance: what a resumed policy does next is what the uninterrupted run did.
+
+The check the checkpoint suite makes for layout pairs, and the one suites/sensitivity and
+`mrh repro` run on the checkpoint variants of the catalog. A source policy trains K_STEPS steps,
+saves, and takes one more step without stopping; a policy resumed from the save (at the same or
+another layout) takes the same step. Compared, with `harness.checkpoint.tolerances`:
+
+- at the same layout, bit for bit (loss, grad norm, every weight): the same arithmetic on the same
+  state, with deterministic kernels, and with dropout on only if the RNG streams were restored;
+- at another layout, within the training tolerance table (the same math in another order);
+- a load that cannot restore the checkpoint must change nothing: the harness refuses it before
+  any rank touches its state (a load that fails inside Megatron is not undone).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from harness.checkpoint.tolerances import resume_tolerance
+from harness.report import Row
+from harness.tolerance import CheckResult, separation
+
+MODEL = "tiny-qwen3-kv4"  # 4 KV heads: every layout of 4 GPUs (TP4 included) is valid
+CONFIG = dict(lr=1e-3, weight_decay=0.01, clip_grad=1.0, eps=1e-6, micro_batches=2,
+              loss_kwargs=dict(kl_coef=0.05, clip_eps_high=0.28))
+K_STEPS = 2
+
+
+def train_batch(step: int):
+    """The global batch of a step: the same whatever the layout (8 rows: 2 micro-batches at dp4)."""
+    from harness.models import TINY_VOCAB_SIZE
+    from harness.training import make_rl_train_batch
+
+    return make_rl_train_batch(TINY_VOCAB_SIZE, batch_size=8, seed=100 + step,
+                               prompt_lengths=[5, 3, 7, 1, 10, 2, 12, 4],
+                               response_lengths=[19, 9, 10, 23, 4, 13, 1, 16])
+
+
+@dataclass
+class Uninterrupted:
+    """A saved source and what it did next without stopping: the step and the weights after it."""
+
+    layout: str
+    config: dict[str, Any]
+    directory: Path
+    next_step: dict[str, Any]
+    next_state: dict[str, torch.Tensor]
+    manifest: Any
+
+
+def train_and_save(make_policy: Callable, layout: str, directory: str | Path, *,
+                   optimizer_format: str = "fully_reshardable", **config: Any) -> Uninterrupted:
+    """K_STEPS steps at `layout`, saved to `directory`, then the next step without stopping.
+    `make_policy(layout, model, **config)` builds a PolicyHandle (the `policy` fixture does)."""
+    config = {**CONFIG, **config}
+    source = make_policy(layout, MODEL, **config)
+    source.steps([train_batch(i) for i in range(K_STEPS)])
+    manifest = source.save(directory, optimizer_format=optimizer_format)
+    next_step = source.step(train_batch(K_STEPS))
+    uninterrupted = Uninterrupted(layout, config, Path(directory), next_step, source.hf_state_dict(), manifest)
+    source.close()
+    return uninterrupted
+
+
+@dataclass
+class ResumeResult:
+    pair: str
+    dtype: str
+    device: str
+    variant: str | None
+    same_layout: bool
+    checks: list[CheckResult] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    load_error: str | None = None  # what the load raised, if it did
+    load: dict[str, Any] = field(default_factory=dict)  # load_checkpoint's info when it loaded
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    @property
+    def separation(self) -> float:
+        return separation(self.checks)
+
+    def rows(self, **fields: Any) -> list[Row]:
+        regime = "same-layout" if self.same_layout else "other-layout"
+        return [Row(suite="", test="", layout=self.pair, metric=c.metric, value=c.value,
+                    tolerance=c.tolerance.limit, passed=c.passed, model=MODEL, dtype=self.dtype,
+                    device=self.device, extra=dict(fields, variant=self.variant, regime=regime,
+                                                   tolerance_kind=c.tolerance.kind))
+                for c in self.checks]
+
+    def summary(self) -> str:
+        what = f"{self.pair} {self.dtype}" + (f" variant={self.variant}" if self.variant else "")
+        status = "; ".join(self.failures) if self.failures else "resumed exactly as uninterrupted"
+        if self.load_error:
+            status += f" (load raised {self.load_error})"
+        return f"{what}: {status}"
+
+
+def _check(result: ResumeResult, metric: str, value: float, what: str) -> None:
+    bound = resume_tolerance(metric, result.dtype, same_layout=result.same_layout)
+    check = CheckResult(metric, float(value), bound, bound.passes(float(value)))
+    result.checks.append(check)
+    if not check.passed:
+        result.failures.append(f"{what}: {value:.3g} (bound {bound.kind} {bound.limit:g})")
+
+
+def resume_and_compare(make_policy: Callable, source: Uninterrupted, target_layout: str, *,
+                       variant: str | None = None, load_rng: bool | None = None,
+                       after_load: Callable[[Any], None] | None = None) -> ResumeResult:
+    """Resume `source` at `target_layout` (loading with `variant`, if any) and compare its next step
+    with the uninterrupted one's. `after_load(handle)` runs between the load and the step (e.g. to
+    re-save the loaded state, or to disturb the process's RNG)."""
+    target = make_policy(target_layout, MODEL, **source.config)
+    result = ResumeResult(f"{source.layout}->{target_layout}", source.config.get("dtype", "fp32"),
+                          target.world.device, variant, same_layout=str(target.layout) == source.layout)
+    before = target.hf_state_dict()
+    try:
+        result.load = target.load(source.directory, variant=variant, load_rng=load_rng)
+    except BaseException as exc:  # torch's CheckpointException is a BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        result.load_error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+        after = target.hf_state_dict()
+        changed = [n for n in before if not torch.equal(before[n], after[n])]
+        _check(result, "tensors_changed_by_failed_load", len(changed), f"a failed load changed {changed}")
+        return result
+    if after_load is not None:
+        after_load(target)
+    got = target.step(train_batch(K_STEPS))
+    want = source.next_step
+    for key in ("loss", "grad_norm"):
+        rel = abs(got[key] - want[key]) / max(abs(want[key]), 1.0)
+        _check(result, f"{key}_rel_diff", rel, f"next {key}: resumed {got[key]!r} vs uninterrupted {want[key]!r}")
+    if abs(got["lr"] - want["lr"]) > 1e-12 * abs(want["lr"]):
+        result.failures.append(f"next lr: resumed {got['lr']} vs uninterrupted {want['lr']}")
+    state = target.hf_state_dict()
+    worst = max((state[n].float() - t.float()).abs().max().item() for n, t in source.next_state.items())
+    _check(result, "param_max_abs_diff", worst, "weights after the next step: max |diff|")
+    return result
