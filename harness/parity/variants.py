@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -21,6 +21,8 @@ class Variant:
     description: str
     applies: Callable[[Layout, bool], str | None]  # (layout, tied) -> None or why it does not apply
     packing: str | None = None  # forces how the batch is fed (see harness.logprobs.megatron)
+    # (HF config) -> None or why the variant does not apply to that model.
+    applies_to_model: Callable[[Any], str | None] | None = None
 
 
 def _always(layout: Layout, tied: bool) -> str | None:
@@ -33,6 +35,14 @@ def _tied_under_pp(layout: Layout, tied: bool) -> str | None:
     return None
 
 
+def _llama3_rope(config: Any) -> str | None:
+    from harness.bridge.preflight import rope_settings
+
+    if rope_settings(config).llama3 is None:
+        return "needs a model with Llama-3 RoPE scaling (rope_type 'llama3', e.g. tiny-llama3)"
+    return None
+
+
 VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("swapped-gate-up", "SwiGLU gate and up projections swapped in every MLP", _always),
     Variant("wrong-rope-base", "RoPE base 100x the checkpoint's (e.g. 1e6 instead of 1e4)", _always),
@@ -42,6 +52,10 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("unsynced-tied-embedding",
             "tied model under PP: the last stage's output-layer copy of the embedding not loaded "
             "(mbridge PR 14)", _tied_under_pp),
+    Variant("dropped-rope-scaling",
+            "Llama-3 RoPE scaling dropped on the Megatron side: plain RoPE at the checkpoint's base "
+            "(what a bridge that ignores rope_parameters builds)", _always,
+            applies_to_model=_llama3_rope),
 )}
 
 
@@ -49,16 +63,22 @@ class VariantError(ValueError):
     """An unknown variant, or one that does not apply to the model/layout."""
 
 
-def check_variant(name: str | None, layout: Layout, tied: bool) -> Variant | None:
-    """The variant, after checking it exists and applies (parent-side, before any work)."""
+def check_variant(name: str | None, layout: Layout, tied: bool, config: Any = None) -> Variant | None:
+    """The variant, after checking it exists and applies (parent-side, before any work); with the
+    model's HF `config`, also that it applies to that model (rank-side `apply_variant` checks that
+    again)."""
     if name is None:
         return None
     if name not in VARIANTS:
         raise VariantError(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
-    why_not = VARIANTS[name].applies(layout, tied)
+    variant = VARIANTS[name]
+    why_not = variant.applies(layout, tied)
     if why_not:
         raise VariantError(f"variant {name!r} does not apply to layout {layout}: {why_not}")
-    return VARIANTS[name]
+    why_not = variant.applies_to_model(config) if config is not None and variant.applies_to_model else None
+    if why_not:
+        raise VariantError(f"variant {name!r} does not apply to this model: {why_not}")
+    return variant
 
 
 # ----------------------------------------------------------------------------- rank-side
@@ -115,12 +135,32 @@ def _unsync_tied_embedding(models) -> None:
             weight.copy_(fresh.to(weight.dtype))
 
 
+@torch.no_grad()
+def _drop_rope_scaling(models) -> None:
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from harness.bridge import hf_bridge
+    from harness.bridge.preflight import rope_settings
+
+    hf_config = hf_bridge(models).hf_config
+    why_not = _llama3_rope(hf_config)
+    if why_not:  # a no-op variant would "pass" its negative control
+        raise VariantError(f"variant 'dropped-rope-scaling': {why_not}")
+    for chunk, _ in _params(models):
+        rope = chunk.rotary_pos_emb
+        plain = RotaryEmbedding(kv_channels=rope.inv_freq.numel() * 2, rotary_percent=1.0,
+                                rotary_base=rope_settings(hf_config).theta, use_cpu_initialization=True)
+        rope.inv_freq = plain.inv_freq.to(rope.inv_freq.device)
+    RotaryEmbedding.forward.cache_clear()  # freqs are memoized per (module, length)
+
+
 _APPLY: dict[str, Callable] = {
     "swapped-gate-up": _swap_gate_up,
     "wrong-rope-base": _wrong_rope_base,
     "scaled-norm": _scale_norm,
     "unmasked-padding": lambda models: None,  # acts on the input, see Variant.packing
     "unsynced-tied-embedding": _unsync_tied_embedding,
+    "dropped-rope-scaling": _drop_rope_scaling,
 }
 
 

@@ -81,7 +81,9 @@ def test_negative_control_fails_parity(world, device, variant, model, layout, hf
 
 
 def test_every_shipped_variant_has_a_negative_control():
-    assert sorted(VARIANTS) == sorted(v for v, *_ in NEGATIVE_CONTROLS)
+    from suites.parity.test_rope_scaling import NEGATIVE_CONTROLS as ROPE_SCALING_CONTROLS
+
+    assert sorted(VARIANTS) == sorted(v for v, *_ in NEGATIVE_CONTROLS + ROPE_SCALING_CONTROLS)
 
 
 @pytest.mark.skipif(te_available(), reason="the packed path packs with a block-diagonal mask, which the "
