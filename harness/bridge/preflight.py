@@ -173,6 +173,14 @@ def _short(names: list[str], limit: int = 6) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
+def _load_config(path: Path) -> PretrainedConfig:
+    try:
+        return AutoConfig.from_pretrained(path)
+    except Exception as exc:  # transformers validates config.json (KeyError, ValueError, ...)
+        reason = " ".join(str(exc).split()) or type(exc).__name__  # one line
+        raise UnsupportedModelError(f"{path}/config.json: transformers refuses it: {reason}") from exc
+
+
 def check_model_supported(model: str | os.PathLike | PretrainedConfig) -> PretrainedConfig:
     """Raise UnsupportedModelError (one line) unless the bridge converts `model` faithfully; return
     its HF config.
@@ -193,7 +201,7 @@ def check_model_supported(model: str | os.PathLike | PretrainedConfig) -> Pretra
         return config
     path = check_checkpoint_dir(Path(model).expanduser())
     _check_model_type(json.loads((path / "config.json").read_text()).get("model_type"))
-    config = AutoConfig.from_pretrained(path)
+    config = _load_config(path)
     check_hf_config(config)
     check_checkpoint_tensors(path, config)
     return config

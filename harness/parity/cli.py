@@ -33,13 +33,16 @@ def _log(message: str) -> None:
 def _preflight(args) -> list:
     """Every input checked before any rank starts: one clear error, exit 2."""
     layouts = parse_layout_list(args.layouts)
+    # prepare_model runs harness.bridge.preflight.check_model_supported: an unsupported model
+    # feature (model type, activation, sliding window, RoPE type, a tensor Megatron would drop)
+    # is an UnsupportedModelError here, before the world starts.
     _, config = prepare_model(args.model, args.cache_dir)
     resolved = []
     for layout in layouts:
         size = layout.world_size
         layout = resolve(layout, size)
         validate(layout, size, config)
-        check_variant(args.variant, layout, bool(getattr(config, "tie_word_embeddings", False)))
+        check_variant(args.variant, layout, bool(getattr(config, "tie_word_embeddings", False)), config)
         resolved.append(layout)
     return resolved
 

@@ -36,6 +36,7 @@ def test_parity_exits_1_on_a_negative_control():
     (["--model", "/no/such/model"], "not a zoo name"),
     (["--layouts", "tp2", "--variant", "unsynced-tied-embedding"], "needs a tied-embedding model"),
     (["--variant", "nope"], "unknown variant"),
+    (["--layouts", "tp2", "--variant", "dropped-rope-scaling"], "needs a model with Llama-3 RoPE scaling"),
 ])
 def test_bad_input_is_one_clear_error_with_exit_2(args, message):
     done = _mrh(*args)
