@@ -157,7 +157,7 @@ def _output_layer_sources(layout, paths: list[tuple[str, str]]) -> dict[str, dic
         chunk = unwrap_model(models)[-1]
         if chunk.post_process:
             hf = load_file(Path(path) / "model.safetensors")
-            weight = chunk.output_layer.weight[:bridge_info(models).vocab_size]
+            weight = chunk.output_layer.weight[:bridge_info(models).vocab_size].cpu()
             found[label] = {name: torch.equal(weight, hf[name]) for name in
                             ("model.embed_tokens.weight", "lm_head.weight") if name in hf}
     found["stock-table"] = {"untouched": Qwen2Bridge._DIRECT_MAPPING.get("output_layer.weight") == "lm_head.weight"}
