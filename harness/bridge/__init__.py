@@ -9,16 +9,18 @@ initialized (and, on CPU, after harness.backends.cpu_patches.install()).
 
 The mbridge fixes and why each is needed: harness.bridge.mbridge_compat. Sequence parallelism
 works with the local (no-TE) spec through harness.bridge.norms.LocalRMSNorm.
+
+Parent-side: `check_model_supported(name_or_dir_or_config)` (harness.bridge.preflight) refuses
+every model feature the bridge would not convert faithfully, before any rank starts.
 """
 from harness.bridge.export import export_hf_state_dict
 from harness.bridge.load import BridgeInfo, bridge_info, hf_bridge, load_megatron_model
-from harness.bridge.mbridge_compat import (
+from harness.bridge.mbridge_compat import HarnessBridgeMixin, make_bridge, resolve_spec
+from harness.bridge.preflight import (
     SUPPORTED_MODEL_TYPES,
-    HarnessBridgeMixin,
     UnsupportedModelError,
     check_hf_config,
-    make_bridge,
-    resolve_spec,
+    check_model_supported,
 )
 from harness.bridge.norms import LocalRMSNorm, local_block_spec, norm_slots, use_local_norms
 from harness.bridge.versions import (
@@ -30,6 +32,7 @@ from harness.bridge.versions import (
 __all__ = [
     "BridgeInfo", "HarnessBridgeMixin", "LocalRMSNorm", "SUPPORTED_MODEL_TYPES",
     "UnsupportedModelError", "UnsupportedVersionError", "bridge_info", "check_hf_config",
+    "check_model_supported",
     "check_supported_versions", "export_hf_state_dict", "hf_bridge", "load_megatron_model",
     "local_block_spec", "make_bridge", "norm_slots", "resolve_spec", "te_available",
     "use_local_norms",

@@ -9,10 +9,8 @@ from typing import Any, Mapping
 import torch
 
 from harness.bridge.mbridge_compat import SpecChoice, make_bridge
+from harness.bridge.preflight import NOT_WEIGHTS
 from harness.models.checkpoints import resolve_model
-
-# HF checkpoints sometimes carry tensors that are not model weights.
-_NOT_WEIGHTS = ("rotary_emb.inv_freq",)
 
 
 @dataclass(frozen=True)
@@ -99,7 +97,9 @@ def hf_bridge(models: list[torch.nn.Module]):
 
 def _check_every_hf_tensor_is_used(bridge, chunks: list[torch.nn.Module], path: Path) -> None:
     """mbridge walks Megatron's parameters, so an HF tensor without a Megatron counterpart (e.g. an
-    o_proj bias) would be skipped without a word; refuse such a checkpoint instead."""
+    o_proj bias) would be skipped without a word; refuse such a checkpoint instead. (The parent
+    checks the same from the tensor names first: harness.bridge.preflight; this is the second guard,
+    against the names the Megatron model really maps.)"""
     import torch.distributed as dist
     from mbridge.core.safetensor_io import SafeTensorIO
     from megatron.core import parallel_state
@@ -115,7 +115,7 @@ def _check_every_hf_tensor_is_used(bridge, chunks: list[torch.nn.Module], path: 
     on_disk = set(SafeTensorIO(str(path)).load_hf_weight_names())
     if bridge.harness_tied:
         used.add("lm_head.weight")  # some tied checkpoints store the duplicate anyway
-    unused = sorted(n for n in on_disk - used if not n.endswith(_NOT_WEIGHTS))
+    unused = sorted(n for n in on_disk - used if not n.endswith(NOT_WEIGHTS))
     if unused:
         raise ValueError(f"{path}: checkpoint tensors with no Megatron counterpart (they would be "
                          f"dropped silently): {unused}")

@@ -18,8 +18,16 @@ behaviour it replaces and why:
    output_layer per instance from `tie_word_embeddings` and never touch the class tables.
 4. RoPE: transformers 5 keeps rope_theta only in `config.rope_parameters`; stock mbridge reads
    `config.rope_theta` (AttributeError), and LLaMABridge tests `"rope_scaling" in config`
-   (TypeError in transformers 5). Non-default rope types are rejected rather than silently run as
-   plain RoPE.
+   (TypeError in transformers 5) and would run any scaling as linear position interpolation
+   (`seq_len_interpolation_factor`). We read both from `harness.bridge.preflight.rope_settings`,
+   which refuses every rope type but default and llama3. Llama-3 scaling: Megatron-Core 0.16.1's
+   GPTModel takes only `rope_scaling` and `rope_scaling_factor`; `RotaryEmbedding._apply_scaling`
+   is HF's `_compute_llama3_parameters` line for line but hard-codes low_freq_factor=1,
+   high_freq_factor=4, original_max_position_embeddings=8192 (Llama 3.1's values), so any other
+   checkpoint would get other frequencies (7x off for some dims with original 32). We pass
+   `rope_scaling`/`factor` and then set each chunk's inv_freq to that same Megatron function
+   evaluated at the checkpoint's four values, after checking it equals HF's inv_freq bit for bit
+   (an error otherwise, so the two can never silently differ).
 5. Config: sequence parallelism is off unless asked for (mbridge turns it on whenever TP > 1, and
    the caller's inputs must then have a sequence length divisible by TP); masked_softmax_fusion is
    on only when Megatron's fused-softmax CUDA extensions exist (mbridge turns it on
@@ -39,6 +47,7 @@ behaviour it replaces and why:
 """
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import re
@@ -49,6 +58,13 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from harness.bridge.norms import NORM_PRECISIONS, local_block_spec
+from harness.bridge.preflight import (  # noqa: F401  (re-exported: the rank-side second guard)
+    SUPPORTED_MODEL_TYPES,
+    RopeSettings,
+    UnsupportedModelError,
+    check_hf_config,
+    rope_settings,
+)
 from harness.bridge.versions import (
     check_supported_versions,
     fused_softmax_kernels_available,
@@ -56,49 +72,12 @@ from harness.bridge.versions import (
 )
 
 SpecChoice = Literal["auto", "te", "local"]
-# Model types whose mapping has been checked against HF logits (see harness.bridge docs).
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Local-spec layer norms -> HF names (the TE spec fuses these into the following linear layer).
 _LOCAL_NORM = re.compile(r"decoder\.layers\.(\d+)\.(input_layernorm|pre_mlp_layernorm)\.weight")
 _LOCAL_NORM_TO_HF = {"input_layernorm": "input_layernorm",
                      "pre_mlp_layernorm": "post_attention_layernorm"}
-
-
-class UnsupportedModelError(ValueError):
-    """The HF config describes something this bridge would not convert faithfully."""
-
-
-def rope_theta(hf_config: PretrainedConfig) -> float:
-    """The RoPE base; raises for rope scaling types Megatron's GPTModel would not reproduce."""
-    # transformers 5: rope_parameters (rope_scaling is an alias of it); 4: rope_scaling or None.
-    params = dict(getattr(hf_config, "rope_parameters", None)
-                  or getattr(hf_config, "rope_scaling", None) or {})
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise UnsupportedModelError(
-            f"rope type {rope_type!r} ({params}) is not supported: the bridge builds plain RoPE "
-            "and would silently differ from HF")
-    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
-    if theta is None:
-        raise UnsupportedModelError("the HF config has no rope_theta (in rope_parameters or top level)")
-    return float(theta)
-
-
-def check_hf_config(hf_config: PretrainedConfig) -> None:
-    """Reject configs whose features the Megatron side would drop without an error."""
-    model_type = hf_config.model_type
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"model_type {model_type!r} is not supported by the harness bridge "
-            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    if getattr(hf_config, "hidden_act", "silu") != "silu":
-        raise UnsupportedModelError(f"hidden_act {hf_config.hidden_act!r}: mbridge builds SwiGLU (silu)")
-    layer_types = set(getattr(hf_config, "layer_types", None) or ["full_attention"])
-    if getattr(hf_config, "use_sliding_window", False) or layer_types != {"full_attention"}:
-        raise UnsupportedModelError("sliding-window attention layers are not supported")
-    rope_theta(hf_config)
 
 
 def resolve_spec(spec: SpecChoice) -> Literal["te", "local"]:
@@ -146,12 +125,26 @@ class HarnessBridgeMixin:
         return super()._weight_name_mapping_mcore_to_hf(mcore_weights_name)
 
     def _get_gptmodel_args(self) -> dict:
-        return dict(
+        rope = rope_settings(self.hf_config)  # override 4
+        args = dict(
             vocab_size=self.hf_config.vocab_size,
             max_sequence_length=self.hf_config.max_position_embeddings,
             position_embedding_type="rope",
-            rotary_base=rope_theta(self.hf_config),
+            rotary_base=rope.theta,
         )
+        if rope.llama3:
+            args.update(rope_scaling=True, rope_scaling_factor=float(rope.llama3["factor"]))
+        return args
+
+    def _model_provider(self, post_model_creation_callbacks, *args: Any, **kwargs: Any):
+        # Override 4: every chunk mbridge builds gets the checkpoint's Llama-3 frequencies.
+        callbacks = [*post_model_creation_callbacks, self._harness_set_rope_frequencies]
+        return super()._model_provider(callbacks, *args, **kwargs)
+
+    def _harness_set_rope_frequencies(self, model: torch.nn.Module, **unused: Any) -> None:
+        rope = rope_settings(self.hf_config)
+        if rope.llama3:
+            model.rotary_pos_emb.inv_freq = llama3_inv_freq(model.rotary_pos_emb, rope, self.hf_config)
 
     def _get_transformer_layer_spec(self, vp_stage: Optional[int] = None):
         if self.harness_spec == "te":
@@ -162,6 +155,29 @@ class HarnessBridgeMixin:
         self.has_vp_stage = "vp_stage" in inspect.signature(get_gpt_decoder_block_spec).parameters
         # Override 6: LocalRMSNorm in every norm slot.
         return local_block_spec(self.config, vp_stage=vp_stage, norm_precision=self.harness_norm_precision)
+
+
+def llama3_inv_freq(rotary: torch.nn.Module, rope: RopeSettings,
+                    hf_config: PretrainedConfig) -> torch.Tensor:
+    """Megatron's Llama-3 inv_freq at the checkpoint's four values (override 4), on the device of
+    `rotary.inv_freq`; raises unless it equals HF's bit for bit."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if not isinstance(rotary, RotaryEmbedding):
+        raise UnsupportedModelError(f"llama3 RoPE needs Megatron's RotaryEmbedding, the model has {type(rotary)}")
+    # Megatron's own unscaled frequencies (same kv_channels and base as the model's), then its own
+    # scaling function with the values GPTModel cannot pass through.
+    unscaled = RotaryEmbedding(kv_channels=rotary.inv_freq.numel() * 2, rotary_percent=1.0,
+                               rotary_base=rope.theta, use_cpu_initialization=True).inv_freq
+    megatron = rotary._apply_scaling(unscaled, **rope.llama3)
+    hf, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](copy.deepcopy(hf_config), "cpu")
+    if attention_factor != 1.0 or megatron.shape != hf.shape or not torch.equal(megatron, hf):
+        raise UnsupportedModelError(
+            f"llama3 RoPE: Megatron's inv_freq differs from HF's (attention factor {attention_factor}, "
+            f"Megatron {megatron.tolist()}, HF {hf.tolist()}); this Megatron-Core/transformers pair "
+            "cannot reproduce the checkpoint")
+    return megatron.to(rotary.inv_freq.device)
 
 
 @functools.cache

@@ -34,7 +34,8 @@ def mbridge_version() -> str:
 def check_supported_versions() -> None:
     """Raise UnsupportedVersionError for a Megatron-Core that mbridge cannot build models with."""
     mcore = mcore_version()
-    if Version(mcore) >= FIRST_BROKEN_MCORE:
+    # By release number: 0.17.0rc0 and 0.17.0.dev0 (Megatron-LM main) sort before 0.17 but are broken.
+    if Version(mcore).release[:2] >= FIRST_BROKEN_MCORE.release[:2]:
         raise UnsupportedVersionError(
             f"megatron-core {mcore} with mbridge {mbridge_version()} is not supported: mbridge's "
             f"get_model uses ModelType.encoder_and_decoder, removed in megatron-core "

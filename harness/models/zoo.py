@@ -7,7 +7,8 @@ so Megatron must pad it, and every weight, norms and biases included, is random 
 `harness.models.randomize`). `qwen3-0.6b-shape` is the real Qwen3-0.6B architecture with random
 weights, for GPU runs.
 
-Naming: `<family>` is untied, `<family>-tied` ties lm_head to embed_tokens.
+Naming: `<family>` is untied, `<family>-tied` ties lm_head to embed_tokens. `tiny-llama3` is
+`tiny-llama` with Llama-3 RoPE scaling whose original window (32) is shorter than its 128 positions.
 """
 from __future__ import annotations
 
@@ -54,6 +55,18 @@ _TINY_SHAPE: dict[str, Any] = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
+
+# Llama-3.x RoPE scaling (`rope_type: llama3`), scaled down to the tiny shape: Llama 3.1 has an
+# original window of 8192 positions; here it is 32 of the 128, so positions 32..127 lie beyond it.
+# With head_dim 16 and base 1e4 the 8 frequencies have wavelengths 6.3, 20, 63, ..., 2e4 positions:
+# the first (< 32/4) is kept, the second (between 32/4 and 32) is smoothed (/3.3), the other six are
+# divided by the factor 8, so all three branches of the formula are used. Megatron-Core hard-codes
+# low/high_freq_factor 1/4 (kept here) and original window 8192 (not kept: see
+# harness.bridge.mbridge_compat, override 4).
+_TINY_LLAMA3_ROPE: dict[str, Any] = {
+    "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+}
 
 # The published Qwen/Qwen3-0.6B config.json (architecture only).
 _QWEN3_0P6B_SHAPE: dict[str, Any] = dict(
@@ -121,6 +134,13 @@ def _build_zoo() -> dict[str, ZooModel]:
         config_class=Qwen3Config,
         config_kwargs={**_TINY_SHAPE, "num_key_value_heads": 4, "tie_word_embeddings": False},
         description=f"tiny Qwen3 (QK-norm) with 4 KV heads (TP4-valid), untied lm_head, vocab {TINY_VOCAB_SIZE}",
+    ))
+    entries.append(ZooModel(
+        name="tiny-llama3",
+        config_class=LlamaConfig,
+        config_kwargs={**_TINY_SHAPE, "rope_parameters": _TINY_LLAMA3_ROPE, "tie_word_embeddings": False},
+        description="tiny Llama with Llama-3 RoPE scaling (original window 32 of 128), untied lm_head, "
+                    f"vocab {TINY_VOCAB_SIZE}",
     ))
     entries.append(ZooModel(
         name="qwen3-0.6b-shape",

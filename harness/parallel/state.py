@@ -95,13 +95,20 @@ def run_in_layout(world, layout: Layout | str, fn: Callable[..., Any], *args: An
 
     The layout is resolved against the world size and validated (against `model` too, when given)
     in the parent first, so a bad layout is one clear error before any rank does work. `model` is
-    a config object, or a zoo name / HF checkpoint dir whose config is read.
+    a config object, or a zoo name / HF checkpoint dir whose config is read; an HF model (name,
+    dir or PretrainedConfig) must also pass harness.bridge.preflight.check_model_supported.
     """
     resolved = resolve(as_layout(layout), world.size)
-    if isinstance(model, (str, os.PathLike)):  # a zoo name or checkpoint dir: validate its config
-        from harness.models import load_hf_config, resolve_model
+    if isinstance(model, (str, os.PathLike)):  # a zoo name or checkpoint dir: materialized once, here
+        from harness.models import resolve_model
 
-        model = load_hf_config(resolve_model(model))
+        model = resolve_model(model)
+    from transformers import PretrainedConfig
+
+    if isinstance(model, (os.PathLike, PretrainedConfig)):  # an HF model (not e.g. a ProbeSpec):
+        from harness.bridge.preflight import check_model_supported
+
+        model = check_model_supported(model)  # refuse what the bridge would not convert; its config
     validate(resolved, world.size, model)
     call = functools.partial(_call_in_layout, resolved, seed, fn, args, kwargs)
     call.mrh_name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)} under {resolved}"

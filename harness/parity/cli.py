@@ -40,6 +40,9 @@ def _log(message: str) -> None:
 def _preflight(args) -> list:
     """Every input checked before any rank starts: one clear error, exit 2."""
     layouts = parse_layout_list(args.layouts)
+    # prepare_model runs harness.bridge.preflight.check_model_supported: an unsupported model
+    # feature (model type, activation, sliding window, RoPE type, a tensor Megatron would drop)
+    # is an UnsupportedModelError here, before the world starts.
     _, config = prepare_model(args.model, args.cache_dir)
     resolve_norm_precision(args.norm_precision, resolve_spec("auto"))
     resolved = []

@@ -126,11 +126,16 @@ def _rank_parity(layout: Layout, path: str, dtype: torch.dtype, batch: RLBatch, 
 
 # ----------------------------------------------------------------------------- parent-side
 def prepare_model(model: str, cache_dir: str | os.PathLike | None = None) -> tuple[Path, Any]:
-    """The checkpoint dir (materialized once, here in the parent) and its HF config."""
-    from harness.models import load_hf_config, resolve_model
+    """The checkpoint dir (materialized once, here in the parent) and its HF config.
+
+    Raises UnsupportedModelError (harness.bridge.preflight) for any model feature the bridge would
+    not convert faithfully, from the config and the safetensors tensor names, before any rank works.
+    """
+    from harness.bridge.preflight import check_model_supported
+    from harness.models import resolve_model
 
     path = resolve_model(model, cache_dir)
-    return path, load_hf_config(path)
+    return path, check_model_supported(path)
 
 
 def run_parity(world, case: ParityCase, *, device: str | None = None, batch: RLBatch | None = None,

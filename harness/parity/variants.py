@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from harness.variants import require
+from harness.variants import VariantError, require
 
 # A variant that changes how the batch is fed, not the weights (see harness.logprobs.megatron).
 FORCED_PACKING = {"unmasked-padding": "none"}
@@ -120,6 +120,24 @@ def _unsync_tied_embedding(models) -> None:
             weight.copy_(fresh.to(weight.dtype))
 
 
+@torch.no_grad()
+def _drop_rope_scaling(models) -> None:
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from harness.bridge import hf_bridge
+    from harness.bridge.preflight import rope_settings
+
+    hf_config = hf_bridge(models).hf_config
+    if rope_settings(hf_config).llama3 is None:  # a no-op variant would "pass" its negative control
+        raise VariantError("variant 'dropped-rope-scaling' needs a model with Llama-3 RoPE scaling")
+    for chunk, _ in _params(models):
+        rope = chunk.rotary_pos_emb
+        plain = RotaryEmbedding(kv_channels=rope.inv_freq.numel() * 2, rotary_percent=1.0,
+                                rotary_base=rope_settings(hf_config).theta, use_cpu_initialization=True)
+        rope.inv_freq = plain.inv_freq.to(rope.inv_freq.device)
+    RotaryEmbedding.forward.cache_clear()  # freqs are memoized per (module, length)
+
+
 IMPLEMENTED: dict[str, Callable] = {
     "swapped-gate-up": _swap_gate_up,
     "wrong-rope-base": _wrong_rope_base,
@@ -128,6 +146,7 @@ IMPLEMENTED: dict[str, Callable] = {
     "swapped-tp-shards": _swap_tp_shards,
     "unsynced-tied-embedding": _unsync_tied_embedding,
     "unmasked-padding": lambda models: None,  # acts on the input, see FORCED_PACKING
+    "dropped-rope-scaling": _drop_rope_scaling,
 }
 
 

@@ -69,6 +69,14 @@ def _needs_left_padding(layout, config) -> str | None:
     return None  # every parity batch of the harness has left-padded rows
 
 
+def _needs_llama3_rope(layout, config) -> str | None:
+    from harness.bridge.preflight import rope_settings
+
+    if config is not None and rope_settings(config).llama3 is None:
+        return "needs a model with Llama-3 RoPE scaling (rope_type 'llama3', e.g. tiny-llama3)"
+    return None
+
+
 def _needs_a_cross_rank_grad_reduction(layout, config) -> str | None:
     """finalize_model_grads reduces DP grads, TP-partial norm grads (QK-norm, sequence
     parallelism) and the two copies of a tied embedding under PP; with none of them it does
@@ -106,6 +114,12 @@ _ENTRIES: tuple[Variant, ...] = (
             "scatter that orders shards wrongly)",
             "logprobs off under TP only; TP1 is fine",
             "logprob parity vs HF at tp >= 2: every metric", requires=_needs_tp),
+    Variant("dropped-rope-scaling", "bridge", "negative-control",
+            "Llama-3 RoPE scaling dropped on the Megatron side: plain RoPE at the checkpoint's base "
+            "(a bridge that ignores rope_parameters, or Megatron's hard-coded Llama 3.1 window)",
+            "logprobs off at positions past the original context window only",
+            "logprob parity vs HF on sequences past the original window: every metric",
+            requires=_needs_llama3_rope, default_layout="tp2"),
     Variant("unsynced-tied-embedding", "bridge", "upstream-bug",
             "tied model under PP: the last stage's copy of the embedding (its output layer) not "
             "loaded from the checkpoint",

@@ -45,6 +45,7 @@ def test_a_one_percent_norm_scale_fails_bf16_parity():
     (["--variant", "nope"], "unknown variant"),
     (["--variant", "no-finalize-grads"], "is a training variant"),
     (["--norm-precision", "sloppy"], "invalid choice"),
+    (["--layouts", "tp2", "--variant", "dropped-rope-scaling"], "needs a model with Llama-3 RoPE scaling"),
 ])
 def test_bad_input_is_one_clear_error_with_exit_2(args, message):
     done = _mrh(*args)

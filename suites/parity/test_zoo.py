@@ -38,7 +38,7 @@ def _state(name: str, seed: int = 0) -> dict[str, torch.Tensor]:
 
 def test_zoo_names():
     expected = {f"{family}{suffix}" for family in FAMILIES for suffix in ("", "-tied")}
-    assert set(list_models()) == expected | {"qwen3-0.6b-shape", "tiny-qwen3-kv4"}
+    assert set(list_models()) == expected | {"qwen3-0.6b-shape", "tiny-qwen3-kv4", "tiny-llama3"}
     assert list(ZOO) == list_models() == sorted(list_models())
     for name in list_models():
         assert ZOO[name].tied == (name.endswith("-tied") or name == "qwen3-0.6b-shape")
@@ -63,6 +63,11 @@ def test_family_features():
     assert any(k.endswith("k_norm.weight") for k in _state("tiny-qwen3"))  # QK-norm
     llama = _state("tiny-llama")
     assert not any(k.endswith(".bias") or "q_norm" in k for k in llama)
+    assert load_hf_config("tiny-llama").rope_parameters["rope_type"] == "default"
+    assert load_hf_config("tiny-llama3").rope_parameters == {
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    assert _state("tiny-llama3").keys() == llama.keys()  # only the RoPE differs
 
 
 def test_qwen3_0p6b_shape_is_the_real_architecture():

@@ -25,8 +25,12 @@ APPROXIMATE = dict(reference="plain", norm_precision="fused")
 FINE = ["scaled-norm", "wrong-rope-base"]  # effects of the size of bf16 rounding noise
 
 
+# The model each variant can show on (its catalog entry says why); tiny-qwen3 otherwise.
+MODELS = {"unsynced-tied-embedding": "tiny-qwen3-tied", "dropped-rope-scaling": "tiny-llama3"}
+
+
 def _model(variant: str) -> str:
-    return "tiny-qwen3-tied" if variant == "unsynced-tied-embedding" else "tiny-qwen3"
+    return MODELS.get(variant, "tiny-qwen3")
 
 
 def _run(world, layout, variant, dtype, hf_cache, report, **case):

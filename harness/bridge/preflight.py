@@ -1,0 +1,207 @@
+"""Is an HF model one the bridge converts faithfully? Answered in the parent, before any rank starts.
+
+Parent-side: needs transformers and safetensors only (no Megatron, no mbridge, no torch.distributed).
+`check_model_supported` is the one gate every entry point calls first (`mrh parity`,
+`harness.parity.runner.prepare_model`, `harness.parallel.state.run_in_layout(model=...)`); the
+bridge repeats `check_hf_config` and checks the tensors it really uses inside each rank as a second
+guard (`harness.bridge.mbridge_compat.make_bridge`, `harness.bridge.load`).
+
+What is refused, and why each would otherwise go wrong without an error:
+- model types other than llama/qwen2/qwen3 (only their mappings are checked against HF);
+- hidden_act other than silu (mbridge always builds SwiGLU);
+- sliding-window attention (Megatron's local spec attends to the full causal context);
+- RoPE types other than default and llama3, and partial rotary (mbridge maps neither);
+- biases Megatron has no slot for: Llama `attention_bias` (its o_proj bias) and `mlp_bias`, Qwen3
+  `attention_bias` (the bridges build no bias but Qwen2's q/k/v one);
+- a checkpoint whose tensors are not exactly the ones the Megatron model loads (an extra tensor
+  would be dropped, a missing one fails deep inside a rank).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from transformers import AutoConfig, PretrainedConfig
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# HF checkpoints sometimes carry tensors that are not model weights.
+NOT_WEIGHTS = ("rotary_emb.inv_freq",)
+
+
+class UnsupportedModelError(ValueError):
+    """The HF config or checkpoint describes something the bridge would not convert faithfully."""
+
+
+@dataclass(frozen=True)
+class RopeSettings:
+    """What Megatron's RotaryEmbedding needs to reproduce HF's inv_freq."""
+
+    theta: float
+    llama3: Mapping[str, float] | None = None  # LLAMA3_ROPE_KEYS -> value, for rope_type llama3
+
+
+def rope_parameters(hf_config: PretrainedConfig) -> dict[str, Any]:
+    # transformers 5: rope_parameters (rope_scaling is an alias of it); 4: rope_scaling or None.
+    return dict(getattr(hf_config, "rope_parameters", None)
+                or getattr(hf_config, "rope_scaling", None) or {})
+
+
+def rope_settings(hf_config: PretrainedConfig) -> RopeSettings:
+    """The RoPE base and Llama-3 scaling; raises for RoPE variants the bridge would not reproduce."""
+    params = rope_parameters(hf_config)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)}): "
+            "the bridge would build another RoPE and silently differ from HF")
+    partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
+    if partial not in (None, 1, 1.0):
+        raise UnsupportedModelError(f"partial_rotary_factor {partial}: mbridge rotates the whole head")
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    if theta is None:
+        raise UnsupportedModelError("the HF config has no rope_theta (in rope_parameters or top level)")
+    if rope_type == "default":
+        return RopeSettings(float(theta))
+    return RopeSettings(float(theta), _llama3_values(params))
+
+
+def _llama3_values(params: Mapping[str, Any]) -> dict[str, float]:
+    missing = [key for key in LLAMA3_ROPE_KEYS if params.get(key) is None]
+    if missing:
+        raise UnsupportedModelError(f"rope type 'llama3' needs {', '.join(missing)} in rope_parameters")
+    values = {key: params[key] for key in LLAMA3_ROPE_KEYS}
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values.values()):
+        raise UnsupportedModelError(f"rope type 'llama3': every parameter must be a positive number, got {values}")
+    if values["high_freq_factor"] <= values["low_freq_factor"]:
+        # HF's smoothing divides by (high - low): equal values give NaN inv_freq.
+        raise UnsupportedModelError(
+            f"rope type 'llama3': high_freq_factor {values['high_freq_factor']} must exceed "
+            f"low_freq_factor {values['low_freq_factor']}")
+    return values
+
+
+def _unsupported_biases(hf_config: PretrainedConfig) -> list[str]:
+    model_type = hf_config.model_type
+    found = []
+    if model_type in ("llama", "qwen3") and getattr(hf_config, "attention_bias", False):
+        what = "o_proj" if model_type == "llama" else "q/k/v/o_proj"
+        found.append(f"attention_bias=True ({what} biases: Megatron's layers here have none)")
+    if model_type == "llama" and getattr(hf_config, "mlp_bias", False):
+        found.append("mlp_bias=True (gate/up/down_proj biases: Megatron's MLP here has none)")
+    return found
+
+
+def _check_model_type(model_type: str | None) -> None:
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported by the harness bridge "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+
+
+def check_hf_config(hf_config: PretrainedConfig) -> RopeSettings:
+    """Raise UnsupportedModelError for a config feature the Megatron side would drop silently."""
+    model_type = hf_config.model_type
+    _check_model_type(model_type)
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"hidden_act {hf_config.hidden_act!r}: mbridge builds SwiGLU (silu)")
+    layer_types = set(getattr(hf_config, "layer_types", None) or ["full_attention"])
+    if getattr(hf_config, "use_sliding_window", False) or layer_types != {"full_attention"}:
+        raise UnsupportedModelError(
+            f"sliding-window attention is not supported (layer types {sorted(layer_types)}, "
+            f"use_sliding_window={getattr(hf_config, 'use_sliding_window', False)})")
+    biases = _unsupported_biases(hf_config)
+    if biases:
+        raise UnsupportedModelError(f"{model_type}: {'; '.join(biases)}")
+    return rope_settings(hf_config)
+
+
+def expected_tensor_names(hf_config: PretrainedConfig) -> set[str]:
+    """The HF tensor names the bridge's Megatron model loads for `hf_config` (a checked config)."""
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not getattr(hf_config, "tie_word_embeddings", False):
+        names.add("lm_head.weight")
+    per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight",
+                 *(f"self_attn.{p}_proj.weight" for p in "qkvo"),
+                 *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down"))]
+    if hf_config.model_type == "qwen2":
+        per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
+    if hf_config.model_type == "qwen3":
+        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    for layer in range(hf_config.num_hidden_layers):
+        names.update(f"model.layers.{layer}.{name}" for name in per_layer)
+    return names
+
+
+def checkpoint_tensor_names(path: Path) -> set[str]:
+    """Every tensor name of a safetensors checkpoint dir, from its index or the file headers only."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    names: set[str] = set()
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:  # reads the header, not the data
+            names.update(handle.keys())
+    return names
+
+
+def check_checkpoint_tensors(path: Path, hf_config: PretrainedConfig) -> None:
+    """The checkpoint holds exactly the tensors the Megatron model loads (a tied model may also
+    store lm_head.weight; non-weights such as rotary_emb.inv_freq are ignored)."""
+    on_disk = {n for n in checkpoint_tensor_names(path) if not n.endswith(NOT_WEIGHTS)}
+    expected = expected_tensor_names(hf_config)
+    tolerated = {"lm_head.weight"} if getattr(hf_config, "tie_word_embeddings", False) else set()
+    extra = sorted(on_disk - expected - tolerated)
+    missing = sorted(expected - on_disk)
+    if extra:
+        raise UnsupportedModelError(
+            f"{path}: checkpoint tensors with no Megatron counterpart (they would be dropped "
+            f"silently): {_short(extra)}")
+    if missing:
+        raise UnsupportedModelError(f"{path}: checkpoint lacks tensors the model needs: {_short(missing)}")
+
+
+def _short(names: list[str], limit: int = 6) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _load_config(path: Path) -> PretrainedConfig:
+    try:
+        return AutoConfig.from_pretrained(path)
+    except Exception as exc:  # transformers validates config.json (KeyError, ValueError, ...)
+        reason = " ".join(str(exc).split()) or type(exc).__name__  # one line
+        raise UnsupportedModelError(f"{path}/config.json: transformers refuses it: {reason}") from exc
+
+
+def check_model_supported(model: str | os.PathLike | PretrainedConfig) -> PretrainedConfig:
+    """Raise UnsupportedModelError (one line) unless the bridge converts `model` faithfully; return
+    its HF config.
+
+    `model` is a zoo name (its config is checked), a local HF checkpoint dir (config and the
+    safetensors tensor names, read from the index or the file headers: no weights are loaded), or
+    an HF config object. Unknown names and incomplete dirs raise ModelNotFoundError.
+    """
+    if isinstance(model, PretrainedConfig):
+        check_hf_config(model)
+        return model
+    from harness.models import is_zoo_name, load_hf_config
+    from harness.models.checkpoints import check_checkpoint_dir
+
+    if is_zoo_name(model):
+        config = load_hf_config(model)
+        check_hf_config(config)
+        return config
+    path = check_checkpoint_dir(Path(model).expanduser())
+    _check_model_type(json.loads((path / "config.json").read_text()).get("model_type"))
+    config = _load_config(path)
+    check_hf_config(config)
+    check_checkpoint_tensors(path, config)
+    return config

@@ -1,0 +1,92 @@
+"""HF -> Megatron -> HF is exact: `export_hf_state_dict(load_megatron_model(ckpt))` gives back the
+checkpoint's tensors, the same key set and every tensor `torch.equal` (in bf16: equal to the
+checkpoint's float32 weights rounded to bf16), for every tiny zoo model, under every layout.
+
+CI cost: the full matrix (8 tiny models x fp32/bf16 = 16 round trips) runs in CI at every layout,
+as ONE world call per layout that loads and exports all of them: 2 to 17 s per layout on 2 shared
+CPU cores (tp2pp2, 4 ranks, is the slowest), ~55 s for the 7 CPU layouts, plus the worlds' start-up
+where no earlier suite started them. `cuda="all"` adds every valid layout of the machine's GPUs.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.models import list_models, load_hf_config, resolve_model
+from harness.parallel.layout import LayoutError, resolve, validate
+from harness.parallel.state import as_layout, run_in_layout
+
+TINY_MODELS = [name for name in list_models() if name.startswith("tiny-")]
+CPU_LAYOUTS = ["tp1", "tp2", "pp2", "dp2", "tp2-sp", "pp2vpp2", "tp2pp2"]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _compare(exported: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> dict:
+    """Which tensors are missing, extra, of another dtype/shape, or not bit-equal (with max |Δ|)."""
+    common = sorted(exported.keys() & expected.keys())
+    wrong_kind = [k for k in common if (exported[k].dtype, exported[k].shape) != (expected[k].dtype, expected[k].shape)]
+    unequal = {k: (exported[k].double() - expected[k].double()).abs().max().item()
+               for k in common if k not in wrong_kind and not torch.equal(exported[k], expected[k])}
+    return {"tensors": len(expected), "missing": sorted(expected.keys() - exported.keys()),
+            "extra": sorted(exported.keys() - expected.keys()), "wrong_kind": wrong_kind, "unequal": unequal}
+
+
+def _roundtrip_all(layout, models: dict[str, str]) -> dict[tuple[str, str], dict]:
+    """Rank-side: load and export every (model, dtype); compare with the checkpoint on this rank."""
+    from safetensors.torch import load_file
+
+    from harness.bridge import export_hf_state_dict, load_megatron_model
+
+    results = {}
+    for name, path in models.items():
+        checkpoint: dict[str, torch.Tensor] = {}
+        for file in sorted(Path(path).glob("*.safetensors")):
+            checkpoint.update(load_file(file))
+        for dtype_name, dtype in DTYPES.items():
+            chunks = load_megatron_model(path, dtype=dtype, sequence_parallel=layout.sequence_parallel)
+            exported = export_hf_state_dict(chunks)
+            del chunks
+            results[(name, dtype_name)] = _compare(exported, {k: v.to(dtype) for k, v in checkpoint.items()})
+    return results
+
+
+def _mismatches(result: dict) -> int:
+    return len(result["missing"]) + len(result["extra"]) + len(result["wrong_kind"]) + len(result["unequal"])
+
+
+@pytest.mark.layouts(cpu=CPU_LAYOUTS, cuda="all")
+def test_export_gives_back_the_checkpoint_exactly(world, device, layout, report):
+    valid, skipped = {}, {}
+    for name in TINY_MODELS:
+        try:
+            validate(resolve(as_layout(layout), world.size), world.size, load_hf_config(name))
+        except LayoutError as exc:  # e.g. tp4 on a model with 2 query groups
+            skipped[name] = str(exc).replace("\n", " ")
+            continue
+        valid[name] = str(resolve_model(name))  # materialized once, here in the parent
+    if not valid:
+        pytest.skip(f"{layout} is valid for no tiny model: {skipped}")
+    per_rank = run_in_layout(world, layout, _roundtrip_all, valid)
+    failures = []
+    for (name, dtype), result in per_rank[0].items():
+        worst = max(_mismatches(r[(name, dtype)]) for r in per_rank)
+        max_abs = max((max(r[(name, dtype)]["unequal"].values(), default=0.0) for r in per_rank))
+        report.add("export_mismatched_tensors", worst, tolerance=0, passed=worst == 0, layout=str(layout),
+                   model=name, dtype=dtype, tensors=result["tensors"], max_abs=max_abs)
+        failures += [f"{name} {dtype} rank {rank}: {r[(name, dtype)]}" for rank, r in enumerate(per_rank)
+                     if _mismatches(r[(name, dtype)])]
+    assert len(per_rank[0]) == 2 * len(valid)
+    assert not failures, "\n".join(failures)
+
+
+def test_the_comparison_sees_one_ulp_a_missing_an_extra_and_a_wrong_dtype_tensor():
+    """_compare is what makes the test above able to fail."""
+    expected = {"a": torch.tensor([1.0, 2.0]), "b": torch.ones(2), "c": torch.zeros(3)}
+    exported = {"a": torch.tensor([1.0, torch.nextafter(torch.tensor(2.0), torch.tensor(3.0)).item()]),
+                "b": torch.ones(2, dtype=torch.bfloat16), "d": torch.zeros(1)}
+    result = _compare(exported, expected)
+    assert result["missing"] == ["c"] and result["extra"] == ["d"] and result["wrong_kind"] == ["b"]
+    assert list(result["unequal"]) == ["a"] and 0 < result["unequal"]["a"] < 1e-6
+    assert _mismatches(result) == 4 and _mismatches(_compare(expected, dict(expected))) == 0

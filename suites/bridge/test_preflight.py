@@ -1,0 +1,192 @@
+"""Every model feature the bridge would not convert faithfully is refused in the parent, before any
+rank starts: `harness.bridge.preflight.check_model_supported`, called by `mrh parity`,
+`prepare_model` and `run_in_layout(model=...)`. Parent-side only: no world, no Megatron.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from harness.bridge.preflight import (
+    UnsupportedModelError,
+    check_model_supported,
+    checkpoint_tensor_names,
+    expected_tensor_names,
+)
+from harness.models import list_models, load_hf_config, resolve_model
+
+TINY_MODELS = [name for name in list_models() if name.startswith("tiny-")]
+_LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+           "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+
+def local_checkpoint(directory, base: str = "tiny-llama", config: dict | None = None,
+                     add: dict[str, torch.Tensor] | None = None, drop: tuple[str, ...] = ()):
+    """A copy of zoo model `base` as a local HF checkpoint dir, its config.json updated with
+    `config` (None values delete a key) and its tensors with `add` / `drop`."""
+    path = directory / f"{base}-edited"
+    shutil.copytree(resolve_model(base), path)
+    fields = json.loads((path / "config.json").read_text())
+    fields.update(config or {})
+    (path / "config.json").write_text(json.dumps({k: v for k, v in fields.items() if v is not None}))
+    if add or drop:
+        state = load_file(path / "model.safetensors")
+        state = {**{k: v for k, v in state.items() if k not in drop}, **(add or {})}
+        save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+# (base model, config changes, tensors to add, tensors to drop) -> words the one error must contain
+UNSUPPORTED = {
+    "model-type": ("tiny-llama", {"model_type": "gemma"}, None, (), "model_type 'gemma'"),
+    "hidden-act": ("tiny-llama", {"hidden_act": "gelu"}, None, (), "hidden_act 'gelu'"),
+    "sliding-window-qwen2": ("tiny-qwen2", {"use_sliding_window": True, "sliding_window": 16,
+                                            "max_window_layers": 0}, None, (), "sliding-window"),
+    "sliding-layer-types": ("tiny-qwen3", {"layer_types": ["sliding_attention", "full_attention"] * 2,
+                                           "sliding_window": 16}, None, (), "sliding-window"),
+    "rope-yarn": ("tiny-llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                     "original_max_position_embeddings": 32}},
+                  None, (), "rope type 'yarn'"),
+    "rope-linear": ("tiny-llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}},
+                    None, (), "rope type 'linear'"),
+    "llama3-incomplete": ("tiny-llama", {"rope_parameters": {k: v for k, v in _LLAMA3.items()
+                                                             if k != "low_freq_factor"}},
+                          None, (), "low_freq_factor"),
+    "llama3-empty-band": ("tiny-llama", {"rope_parameters": {**_LLAMA3, "high_freq_factor": 1.0}},
+                          None, (), "must exceed low_freq_factor"),
+    "partial-rotary": ("tiny-llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                          "partial_rotary_factor": 0.5}},
+                       None, (), "partial_rotary_factor 0.5"),
+    "llama-attention-bias": ("tiny-llama", {"attention_bias": True}, None, (), "attention_bias=True (o_proj"),
+    "llama-mlp-bias": ("tiny-llama", {"mlp_bias": True}, None, (), "mlp_bias=True"),
+    "qwen3-attention-bias": ("tiny-qwen3", {"attention_bias": True}, None, (), "attention_bias=True (q/k/v/o_proj"),
+    "extra-tensor": ("tiny-llama", None, {"model.layers.0.self_attn.o_proj.bias": torch.zeros(64)}, (),
+                     "no Megatron counterpart (they would be dropped silently): model.layers.0.self_attn.o_proj.bias"),
+    "missing-tensor": ("tiny-qwen2", None, None, ("model.layers.3.self_attn.v_proj.bias",),
+                       "lacks tensors the model needs: model.layers.3.self_attn.v_proj.bias"),
+}
+
+
+def _params(table):
+    return [pytest.param(*case, id=name) for name, case in table.items()]
+
+
+@pytest.mark.parametrize("base, config, add, drop, message", _params(UNSUPPORTED))
+def test_unsupported_feature_is_one_error(tmp_path, base, config, add, drop, message):
+    path = local_checkpoint(tmp_path, base, config, add, drop)
+    with pytest.raises(UnsupportedModelError) as error:
+        check_model_supported(path)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("name", list_models())
+def test_every_zoo_model_is_supported(name):
+    assert check_model_supported(name).to_dict() == load_hf_config(name).to_dict()
+
+
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_expected_names_are_exactly_what_hf_saves(name):
+    """The parent's list of the tensors the Megatron model loads agrees with HF's own checkpoint
+    (the rank-side guard checks the same against mbridge's real mapping)."""
+    path = resolve_model(name)
+    assert checkpoint_tensor_names(path) == expected_tensor_names(load_hf_config(name))
+    assert check_model_supported(path).model_type == load_hf_config(name).model_type
+
+
+def test_supported_variants_pass(tmp_path):
+    """Not otherwise: llama3 RoPE, Qwen2's QKV bias, and a tied checkpoint that also stores its
+    lm_head duplicate are all fine."""
+    check_model_supported(local_checkpoint(tmp_path, "tiny-llama", {"rope_parameters": _LLAMA3}))
+    check_model_supported(resolve_model("tiny-qwen2"))
+    embed = load_file(resolve_model("tiny-qwen3-tied") / "model.safetensors")["model.embed_tokens.weight"]
+    check_model_supported(local_checkpoint(tmp_path, "tiny-qwen3-tied", add={"lm_head.weight": embed}))
+
+
+def test_preflight_imports_no_megatron():
+    code = ("import sys, harness.bridge.preflight, harness.parity.runner, harness.parallel.state; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('megatron', 'mbridge')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+# ----------------------------------------------------------------------------- call sites
+class _NoWorld:
+    """A world whose use fails the test: the model must be refused before anything runs."""
+
+    size, device = 2, "cpu"
+
+    def run(self, *args, **kwargs):
+        pytest.fail("world.run was called for a model the bridge does not support")
+
+
+def _untouched(*args, **kwargs):
+    pytest.fail("a rank function ran")
+
+
+@pytest.mark.parametrize("case", ["extra-tensor", "rope-yarn", "sliding-window-qwen2"])
+def test_run_in_layout_refuses_before_world_run(tmp_path, case):
+    from harness.parallel.state import run_in_layout
+
+    base, config, add, drop, message = UNSUPPORTED[case]
+    path = local_checkpoint(tmp_path, base, config, add, drop)
+    for model in (path, str(path)):
+        with pytest.raises(UnsupportedModelError) as error:
+            run_in_layout(_NoWorld(), "tp2", _untouched, model=model)
+        assert message in str(error.value)
+
+
+def test_run_in_layout_refuses_an_hf_config_before_world_run():
+    from transformers import Qwen3Config
+
+    from harness.parallel.state import run_in_layout
+
+    config = load_hf_config("tiny-qwen3").to_dict()
+    with pytest.raises(UnsupportedModelError, match="hidden_act 'gelu'"):
+        run_in_layout(_NoWorld(), "tp2", _untouched, model=Qwen3Config(**{**config, "hidden_act": "gelu"}))
+
+
+def test_prepare_model_refuses(tmp_path):
+    from harness.parity.runner import prepare_model
+
+    path = local_checkpoint(tmp_path, "tiny-llama", {"hidden_act": "relu"})
+    with pytest.raises(UnsupportedModelError, match="hidden_act 'relu'"):
+        prepare_model(str(path))
+
+
+def _parity_args(model: str):
+    import argparse
+
+    from harness.parity.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(["--model", model, "--layouts", "tp1,tp2"])
+
+
+def test_mrh_parity_exits_2_before_any_world(tmp_path, monkeypatch, capsys):
+    import harness.parity.cli as cli
+
+    monkeypatch.setattr(cli, "WorldPool", _untouched)  # starting the world pool fails the test
+    path = local_checkpoint(tmp_path, "tiny-llama", add={"model.layers.2.mlp.down_proj.bias": torch.zeros(64)})
+    assert cli.main(_parity_args(str(path))) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "model.layers.2.mlp.down_proj.bias" in err, err
+
+
+def test_mrh_parity_command_exits_2_with_one_line(tmp_path):
+    """The real command: exit 2, one line on stderr naming the feature, no layout started."""
+    path = local_checkpoint(tmp_path, "tiny-llama", {"rope_parameters": {"rope_type": "dynamic",
+                                                                          "rope_theta": 10000.0, "factor": 2.0}})
+    mrh = shutil.which("mrh") or str(Path(sys.executable).with_name("mrh"))
+    done = subprocess.run([mrh, "parity", "--model", str(path), "--layouts", "tp2"],
+                          capture_output=True, text=True, timeout=300)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "rope type 'dynamic'" in lines[0], done.stderr
+    assert done.stdout == ""
