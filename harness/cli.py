@@ -29,6 +29,13 @@ def _parser() -> argparse.ArgumentParser:
     report_arguments(report)
     report.set_defaults(handler="harness.report.cli:main")
 
+    from harness.variants.cli import add_arguments as repro_arguments
+
+    repro = commands.add_parser("repro", help="the catalog of wrong variants; reproduce one on the variant "
+                                              "and the fixed path (exit 0 reproduced and fixed)")
+    repro_arguments(repro)
+    repro.set_defaults(handler="harness.variants.cli:main")
+
     ckpt = commands.add_parser("ckpt", help="inspect dist checkpoints")
     ckpts = ckpt.add_subparsers(dest="ckpt", required=True)
     from harness.checkpoint.diff import add_arguments as diff_arguments

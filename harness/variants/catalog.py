@@ -49,6 +49,7 @@ class Variant:
     # Where `mrh repro ID` runs it unless told otherwise: a layout, or "source->target" for a resume.
     default_layout: str = "tp2"
     options: tuple[tuple[str, Any], ...] = ()  # what the check needs to show it (e.g. dropout on)
+    model: str = "tiny-qwen3"  # the zoo model it shows on (checkpoint checks use their own)
 
     def why_not(self, layout, config) -> str | None:
         return self.requires(layout, config) if self.requires else None
@@ -119,14 +120,14 @@ _ENTRIES: tuple[Variant, ...] = (
             "(a bridge that ignores rope_parameters, or Megatron's hard-coded Llama 3.1 window)",
             "logprobs off at positions past the original context window only",
             "logprob parity vs HF on sequences past the original window: every metric",
-            requires=_needs_llama3_rope, default_layout="tp2"),
+            requires=_needs_llama3_rope, default_layout="tp2", model="tiny-llama3"),
     Variant("unsynced-tied-embedding", "bridge", "upstream-bug",
             "tied model under PP: the last stage's copy of the embedding (its output layer) not "
             "loaded from the checkpoint",
             "logprobs off on tied models at pp >= 2 only",
             "logprob parity vs HF at pp >= 2 on a tied model: every metric",
             upstream="mbridge PR 14 (lm_head.weight not found with tied embeddings under PP)",
-            requires=_needs_tied_pp, default_layout="pp2"),
+            requires=_needs_tied_pp, default_layout="pp2", model="tiny-qwen3-tied"),
     Variant("unmasked-padding", "logprobs", "upstream-bug",
             "left-padded rows fed to Megatron as they are: pads visible, positions shifted "
             "(Megatron's RoPE ignores position_ids)",

@@ -1,0 +1,247 @@
+"""Reproduce a catalog entry: run its check on the variant and on the fixed path, side by side.
+
+    repro = reproduce("scaled-norm", layout="tp2", dtype="bf16", runner=runner)
+    repro.reproduced   # the variant fails its check by >= SENSITIVITY_MARGIN
+    repro.fix_holds    # the fixed path passes the same check
+    repro.separating   # the metric that separates them, with both values
+
+The checks: logprob parity vs HF for bridge/logprobs variants (harness.parity.runner), training vs
+the single-process ground truth for training variants (harness.training.invariance), resume vs the
+uninterrupted run for checkpoint variants (harness.checkpoint.resume_check). suites/sensitivity
+runs every entry through here in fp32 and bf16 at several layouts; `mrh repro ID` runs one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from harness.report import Row
+from harness.tolerance import SENSITIVITY_MARGIN, CheckResult
+from harness.variants.catalog import Variant, VariantError, get
+
+DTYPES = ("fp32", "bf16")
+
+
+@dataclass
+class Runner:
+    """Where the runs happen: `world_for(size)` gives a live world of that many ranks on the device,
+    `make_policy(layout, model, **config)` a PolicyHandle (the `policy` fixture, or
+    `Runner.from_pool`'s), `workdir` holds checkpoints, `hf_cache` HF reference logprobs."""
+
+    device: str
+    world_for: Callable[[int], Any]
+    make_policy: Callable[..., Any]
+    workdir: Path
+    hf_cache: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_pool(cls, pool, device: str, workdir: Path) -> "Runner":
+        from harness.parallel.state import as_layout
+        from harness.training.handles import PolicyHandle
+
+        def make_policy(layout, model, **config):
+            return PolicyHandle(pool.get(as_layout(layout).world_size, device), layout, model, **config)
+
+        return cls(device, lambda size: pool.get(size, device), make_policy, Path(workdir))
+
+
+@dataclass
+class Run:
+    """One run of a check: on the variant or on the fixed path."""
+
+    passed: bool
+    checks: list[CheckResult]
+    summary: str
+    rows: list[Row]
+
+    @property
+    def worst(self) -> CheckResult | None:
+        return max(self.checks, key=lambda c: c.margin, default=None)
+
+    @property
+    def separation(self) -> float:
+        worst = self.worst
+        return worst.margin if worst else 0.0
+
+
+@dataclass
+class Repro:
+    variant: Variant
+    layout: str
+    dtype: str
+    device: str
+    buggy: Run
+    fixed: Run
+
+    @property
+    def reproduced(self) -> bool:
+        return not self.buggy.passed and self.buggy.separation >= SENSITIVITY_MARGIN
+
+    @property
+    def fix_holds(self) -> bool:
+        return self.fixed.passed
+
+    @property
+    def separating(self) -> tuple[str, float, float | None, CheckResult] | None:
+        """(metric, variant's value, fixed path's value, the variant's check) for the metric by which
+        the variant fails most (in units of its bound)."""
+        worst = self.buggy.worst
+        if worst is None:
+            return None
+        fixed = {c.metric: c.value for c in self.fixed.checks}.get(worst.metric)
+        return worst.metric, worst.value, fixed, worst
+
+    def separation_row(self) -> Row:
+        ok = self.buggy.separation >= SENSITIVITY_MARGIN
+        worst = self.buggy.worst
+        return Row(suite="", test="", layout=self.layout, metric="separation", value=self.buggy.separation,
+                   tolerance=SENSITIVITY_MARGIN, passed=ok, dtype=self.dtype, device=self.device,
+                   extra={"variant": self.variant.id, "worst_metric": worst.metric if worst else None,
+                          "tolerance_kind": "min", "fix_holds": self.fix_holds})
+
+    def rows(self) -> list[Row]:
+        return self.buggy.rows + self.fixed.rows + [self.separation_row()]
+
+
+# ----------------------------------------------------------------------------------- the checks
+def _parity(variant: Variant, layout: str, dtype: str, runner: Runner) -> tuple[Run, Run]:
+    from harness.parallel.layout import parse_layout
+    from harness.parity.runner import ParityCase, run_parity
+
+    world = runner.world_for(parse_layout(layout).world_size)
+
+    def run(variant_id):
+        result = run_parity(world, ParityCase(variant.model, layout, dtype, variant=variant_id),
+                            hf_cache=runner.hf_cache, suite="sensitivity")
+        return Run(result.passed, list(result.checks), result.summary(), result.rows)
+
+    return run(variant.id), run(None)
+
+
+def _training(variant: Variant, layout: str, dtype: str, runner: Runner) -> tuple[Run, Run]:
+    from harness.training.invariance import compare_to_ground_truth, policy_config
+
+    def run(variant_id):
+        policy = runner.make_policy(layout, variant.model, **policy_config(dtype=dtype, variant=variant_id))
+        try:
+            result = compare_to_ground_truth(policy, model=variant.model)
+        finally:
+            policy.close()
+        return Run(result.passed, [c for _, c in result.checks], result.summary(), result.rows(variant.model))
+
+    return run(variant.id), run(None)
+
+
+def _checkpoint(variant: Variant, layout: str, dtype: str, runner: Runner) -> tuple[Run, Run]:
+    from harness.checkpoint.resume_check import resume_and_compare, train_and_save
+
+    source, target = _pair(layout)
+    directory = runner.workdir / f"{variant.id}-{source}-{dtype}-{runner.device}"
+    src = train_and_save(runner.make_policy, source, directory, dtype=dtype, deterministic=True,
+                         **dict(variant.options))
+
+    def run(variant_id):
+        result = resume_and_compare(runner.make_policy, src, target, variant=variant_id)
+        return Run(result.passed, result.checks, result.summary(), result.rows())
+
+    return run(variant.id), run(None)
+
+
+_CHECKS: dict[str, Callable[[Variant, str, str, Runner], tuple[Run, Run]]] = {
+    "bridge": _parity, "logprobs": _parity, "training": _training, "checkpoint": _checkpoint,
+}
+
+
+def _pair(layout: str) -> tuple[str, str]:
+    source, sep, target = layout.partition("->")
+    if not sep or not source or not target:
+        raise VariantError(f"a checkpoint variant runs on a layout pair 'source->target', got {layout!r}")
+    return source, target
+
+
+def preflight(variant_id: str, layout: str | None, dtype: str, world_size_limit: int | None = None
+              ) -> tuple[Variant, str]:
+    """(entry, layout) after checking everything a repro needs, before any rank starts: the id,
+    the dtype, the layout(s) against the model and the variant. Raises VariantError."""
+    from harness.models import load_hf_config
+    from harness.parallel.layout import LayoutError, parse_layout, resolve, validate
+
+    variant = get(variant_id)
+    if dtype not in DTYPES:
+        raise VariantError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    layout = layout or variant.default_layout
+    config = load_hf_config(_model(variant))
+    names = _pair(layout) if variant.component == "checkpoint" else (layout,)
+    for name in names:
+        try:
+            parsed = parse_layout(name)
+            resolved = resolve(parsed, parsed.world_size)
+            validate(resolved, parsed.world_size, config)
+        except LayoutError as exc:
+            raise VariantError(f"layout {name!r}: {' '.join(str(exc).split())}") from None
+        if world_size_limit is not None and parsed.world_size > world_size_limit:
+            raise VariantError(f"layout {name!r} needs {parsed.world_size} ranks; at most {world_size_limit} here")
+        why_not = variant.why_not(resolved, config)
+        if why_not:
+            raise VariantError(f"variant {variant.id!r} does not apply to layout {name}: {why_not}")
+    return variant, layout
+
+
+def _model(variant: Variant) -> str:
+    if variant.component == "checkpoint":
+        from harness.checkpoint.resume_check import MODEL
+
+        return MODEL
+    return variant.model
+
+
+def reproduce(variant_id: str, *, layout: str | None = None, dtype: str = "bf16", runner: Runner) -> Repro:
+    """Run the entry's check on the variant and on the fixed path (see the module docstring)."""
+    variant, layout = preflight(variant_id, layout, dtype)
+    buggy, fixed = _CHECKS[variant.component](variant, layout, dtype, runner)
+    return Repro(variant, layout, dtype, runner.device, buggy, fixed)
+
+
+def describe(repro: Repro) -> str:
+    """The repro as a person reads it: both runs and the metric that separates them."""
+    v = repro.variant
+    lines = [f"{v.id} ({v.component}, {v.kind}) at {repro.layout}, {repro.dtype}, {repro.device}",
+             f"  wrong:    {v.description}", f"  symptom:  {v.symptom}",
+             f"  upstream: {v.upstream or '-'}", f"  check:    {v.caught_by}",
+             f"  variant:  {'PASS' if repro.buggy.passed else 'FAIL'}  {repro.buggy.summary}",
+             f"  fixed:    {'PASS' if repro.fixed.passed else 'FAIL'}  {repro.fixed.summary}"]
+    separating = repro.separating
+    if separating:
+        metric, value, fixed, check = separating
+        bound = f"{'<=' if check.tolerance.kind == 'max' else '>='} {check.tolerance.limit:g}"
+        margin = "inf (an exact bound)" if math.isinf(check.margin) else f"{check.margin:.3g}"
+        fixed_text = "-" if fixed is None else f"{fixed:.4g}"
+        lines.append(f"  separating metric: {metric}: variant {value:.4g}, fixed {fixed_text} "
+                     f"(bound {bound}); the variant is {margin}x past it (needs >= {SENSITIVITY_MARGIN:g})")
+    verdict = ("REPRODUCED: the variant fails its check by the margin and the fixed path passes"
+               if repro.reproduced and repro.fix_holds else
+               "NOT REPRODUCED: " + "; ".join(
+                   ([] if repro.reproduced else ["the variant does not fail by the margin"]) +
+                   ([] if repro.fix_holds else ["the fixed path fails its check"])))
+    return "\n".join(lines + [verdict])
+
+
+def as_dict(repro: Repro) -> dict[str, Any]:
+    metric, value, fixed, _ = repro.separating or (None, None, None, None)
+    return {"id": repro.variant.id, "layout": repro.layout, "dtype": repro.dtype, "device": repro.device,
+            "reproduced": repro.reproduced, "fix_holds": repro.fix_holds,
+            "separation": repro.buggy.separation, "separating_metric": metric,
+            "variant_value": value, "fixed_value": fixed,
+            "variant": {"passed": repro.buggy.passed, "summary": repro.buggy.summary},
+            "fixed": {"passed": repro.fixed.passed, "summary": repro.fixed.summary}}
+
+
+def catalog_rows() -> list[dict[str, Any]]:
+    from harness.variants.catalog import CATALOG
+
+    keep = ("id", "component", "kind", "description", "symptom", "caught_by", "upstream", "default_layout",
+            "model")
+    return [{k: v for k, v in dataclasses.asdict(entry).items() if k in keep} for entry in CATALOG.values()]
