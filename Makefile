@@ -15,7 +15,7 @@ setup:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(if $(TORCH_SPEC),$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)")
 	$(BIN)/python -m pip install --quiet -e .
-	$(BIN)/python -c 'import harness.fixtures.plugin, megatron.core, mbridge; print("setup ok:", megatron.core.__version__)'
+	$(BIN)/python -c 'import importlib, megatron.core, mbridge, harness.pytest_plugin.plugin as p; [importlib.import_module(m) for m in p.pytest_plugins]; print("setup ok:", megatron.core.__version__)'
 
 test:
 	$(BIN)/python -m pytest suites $(PYTEST_ARGS)

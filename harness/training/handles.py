@@ -12,7 +12,7 @@ training loop. The first call seeds Megatron's RNG tracker; later calls leave ev
     policy.close()
 
 `ReferenceHandle` does the same for the frozen reference/old-policy worker. The pytest fixtures
-`policy` and `reference` (harness.fixtures.workers) make these and close them after the test.
+`policy` and `reference` (harness.pytest_plugin.workers) make these and close them after the test.
 """
 from __future__ import annotations
 
