@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from harness.report.rows import atomic_write
-from harness.report.render import (FAILING_OUTCOMES, Table, blocks_to_markdown,
-                                   fmt_value, load_run, normalise_run)
+from harness.report.blocks import Table, blocks_to_markdown, fmt_value
+from harness.report.results import FAILING_OUTCOMES, load_run, normalise_run
 from harness.report.rules import Rule, rule_for
 
 KEY_FIELDS = ("suite", "test", "layout", "model", "dtype", "device", "metric")

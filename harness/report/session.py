@@ -1,6 +1,6 @@
 """A run's report directory, kept current while the run goes on.
 
-results.json (schema: harness.report.render) is rewritten atomically after every test, so a run
+results.json (schema: harness.report.results) is rewritten atomically after every test, so a run
 that is killed still leaves a readable report: tests that never finished stay "unfinished". Under
 pytest-xdist every worker keeps its own file under `workers/<id>/`; the controller, which sees
 every test's outcome, merges the workers' rows into the run's results.json each time it writes.

@@ -15,8 +15,10 @@ import pytest
 from harness.report import Row
 from harness.report.fingerprint import environment_fingerprint
 from harness.report.rows import SCHEMA_VERSION, atomic_write
-from harness.report.render import (MD_LIMIT_BYTES, fmt_value, load_run,
-                                   render_run, write_csv, write_html, write_summary_md)
+from harness.report.blocks import fmt_value
+from harness.report.render import render_run, write_csv, write_html, write_summary_md
+from harness.report.results import load_run
+from harness.report.summary import MD_LIMIT_BYTES
 
 REPO = Path(__file__).resolve().parents[2]
 GPU_REPORT = REPO / "reports/gpu/2026-11-21-parity-h200x4/parity-2gpu.json"
