@@ -11,7 +11,7 @@ import pytest
 
 from harness.report.compare import compare_runs, main_compare, row_key
 from harness.report.rules import RULES, rule_for
-from suites.report.test_render import make_run, nodeid, parity_rows, row, write_run
+from suites.report.runs import make_run, nodeid, parity_rows, row, write_run
 
 
 @pytest.fixture
