@@ -79,9 +79,15 @@ def _fingerprint_table(fp: dict[str, Any]) -> Table:
     gpus = fp.get("gpus") or []
     gpu = fp.get("gpu_model") or (gpus[0] if gpus else None)
     values = dict(fp, gpu=f"{gpu} x{fp.get('gpu_count', len(gpus))}" if gpu else None,
-                  commit=(fp.get("git_commit") or "")[:10] or None)
+                  commit=_commit(fp))
     return Table(list(FINGERPRINT_ESSENTIALS),
                  [[fmt_value(values.get(k)) for k in FINGERPRINT_ESSENTIALS]])
+
+
+def _commit(fp: dict[str, Any]) -> str | None:
+    """The commit as a short sha, "+dirty" when tracked files differed from it."""
+    commit = (fp.get("git_commit") or "")[:10] or None
+    return f"{commit}+dirty" if commit and fp.get("git_dirty") else commit
 
 
 def _capped(columns: list[str], rows: list[list[str]], cap: int) -> Table:

@@ -233,12 +233,13 @@ def test_fingerprint_is_complete_fast_and_never_raises(monkeypatch: pytest.Monke
     fp = environment_fingerprint("cpu")
     assert time.perf_counter() - start < 1.0
     assert {"python", "torch", "megatron-core", "mbridge", "transformer-engine", "transformers", "cuda",
-            "driver", "gpus", "gpu_count", "device", "git_commit", "host", "platform"} <= set(fp)
+            "driver", "gpus", "gpu_count", "device", "git_commit", "git_dirty", "host", "platform"} <= set(fp)
     assert fp["device"] == "cpu" and fp["python"].count(".") == 2 and fp["torch"]
-    assert fp["git_commit"] is None or len(fp["git_commit"]) == 40
+    assert fp["git_commit"] == "unknown" or len(fp["git_commit"]) == 40
     json.dumps(fp)  # JSON-able as is
     monkeypatch.setenv("PATH", "")  # no git, no nvidia-smi
+    monkeypatch.delenv("MRH_GIT_COMMIT", raising=False)
     monkeypatch.chdir("/")
     bare = environment_fingerprint()
-    assert bare["git_commit"] is None and bare["driver"] is None and bare["gpus"] == []
+    assert bare["git_commit"] == "unknown" and bare["driver"] is None and bare["gpus"] == []
     assert bare["device"] is None
