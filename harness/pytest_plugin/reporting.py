@@ -51,6 +51,12 @@ def _suite(item_or_path) -> str:
     return Path(str(getattr(item_or_path, "fspath", item_or_path))).parent.name
 
 
+def _generated(item: pytest.Item) -> dict:
+    """Fields for the rows of a hypothesis test: its examples differ from run to run, so
+    `mrh report compare` must never pair one run's rows with another's."""
+    return {"generated": True} if getattr(getattr(item, "obj", None), "is_hypothesis_test", False) else {}
+
+
 class _ReportHooks:
     """Keeps the run report current: outcomes of every test, rows recorded during each test."""
 
@@ -70,7 +76,8 @@ class _ReportHooks:
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_call(self, item: pytest.Item):
         yield
-        rows = [as_row(record, _suite(item), item.nodeid) for record in report_buffer.drain()]
+        fields = _generated(item)
+        rows = [as_row({**record, **fields}, _suite(item), item.nodeid) for record in report_buffer.drain()]
         self.run_report.add_rows(rows)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -102,17 +109,19 @@ class ReportHandle:
         self._run_report = run_report
         self.suite = _suite(node)
         self.test = node.nodeid
+        self._generated = _generated(node)
 
     def add(self, metric: str, value: float, *, tolerance: float | None, passed: bool, layout: str = "",
             **fields) -> Row:
         row = as_row({"metric": metric, "value": value, "tolerance": tolerance, "passed": passed,
-                      "layout": layout, **fields}, self.suite, self.test)
+                      "layout": layout, **fields, **self._generated}, self.suite, self.test)
         self._run_report.add_rows([row])
         return row
 
     def extend(self, rows: list[Row]) -> None:
         for row in rows:
             row.suite, row.test = self.suite, self.test
+            row.extra.update(self._generated)
         self._run_report.add_rows(rows)
 
 
