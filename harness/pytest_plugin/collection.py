@@ -40,7 +40,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="seconds one call on the ranks may take before every rank's stack is "
                          "dumped and the world restarted (default 300)")
     group.addoption("--mrh-report-dir", default=os.environ.get("MRH_REPORT_DIR", "reports/runs"),
-                    help="directory for run reports (default reports/runs or $MRH_REPORT_DIR)")
+                    help="directory for run reports: each run writes DIR/<timestamp>-<id>/ "
+                         "(default reports/runs or $MRH_REPORT_DIR)")
+    # No environment variable on purpose: pytester's inner sessions inherit the environment and
+    # would all write (and move) the outer run's directory.
+    group.addoption("--mrh-run-dir", default=None,
+                    help="this run's report directory itself, instead of a new one under "
+                         "--mrh-report-dir (`make test` uses reports/runs/latest); a previous run "
+                         "found there is first moved beside it under its timestamped name")
 
 
 def pytest_configure(config: pytest.Config) -> None:

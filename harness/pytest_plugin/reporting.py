@@ -9,9 +9,10 @@ import pytest
 
 from harness.report import Row
 from harness.report import buffer as report_buffer
-from harness.report.session import RunReport, as_row
+from harness.report.session import RunReport, as_row, claim_run_dir
 
 _REPORT_KEY = pytest.StashKey[RunReport]()
+_MOVED_KEY = pytest.StashKey["Path | None"]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -28,8 +29,15 @@ def _run_report(config: pytest.Config) -> RunReport:
     args = list(config.invocation_params.args)
     if worker_input and "mrh_run_dir" in worker_input:  # an xdist worker: write beside the controller
         return RunReport(Path(worker_input["mrh_run_dir"]), args=args, worker=worker_input["workerid"])
-    directory = Path(config.getoption("--mrh-report-dir")) / _run_name()
-    return RunReport(directory, args=args, fingerprint=environment_fingerprint())
+    directory = config.getoption("--mrh-run-dir")
+    if directory is None:
+        directory = Path(config.getoption("--mrh-report-dir")) / _run_name()
+    else:
+        try:
+            config.stash[_MOVED_KEY] = claim_run_dir(Path(directory))
+        except ValueError as exc:
+            raise pytest.UsageError(f"--mrh-run-dir: {exc}") from exc
+    return RunReport(Path(directory), args=args, fingerprint=environment_fingerprint())
 
 
 def _run_name() -> str:
@@ -92,7 +100,10 @@ class _ReportHooks:
         if self._render_run is not None:
             self._render_run(self.run_report.directory)
 
-    def pytest_terminal_summary(self, terminalreporter) -> None:
+    def pytest_terminal_summary(self, terminalreporter, config: pytest.Config) -> None:
+        moved = config.stash.get(_MOVED_KEY, None)
+        if moved is not None:
+            terminalreporter.write_line(f"megatron-rl-harness: the previous run there was moved to {moved}")
         if self.run_report.worker is None:
             rows = self.run_report.document()["rows"]
             expected = sum(not r["passed"] and r["outcome"] == "passed" for r in rows)
@@ -133,7 +144,8 @@ def report(request: pytest.FixtureRequest) -> ReportHandle:
 
 @pytest.fixture(scope="session")
 def report_dir(pytestconfig: pytest.Config) -> Path:
-    """Where this run writes its reports (created on demand)."""
-    path = Path(pytestconfig.getoption("--mrh-report-dir"))
+    """Where this run writes its reports (created on demand): the folder holding the run's own
+    directory (--mrh-report-dir, or the parent of --mrh-run-dir)."""
+    path = pytestconfig.stash[_REPORT_KEY].directory.parent
     path.mkdir(parents=True, exist_ok=True)
     return path
