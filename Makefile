@@ -6,8 +6,12 @@ BIN    := $(VENV)/bin
 # CUDA packages. On a GPU machine set TORCH_SPEC to the torch you have (or "" to keep it).
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# `make test` writes its run report here (a previous run there is moved beside it, not lost);
+# `make compare` compares it with BASELINE, `make baseline` makes it the new BASELINE.
+RUN_DIR  ?= reports/runs/latest
+BASELINE ?= reports/baselines/cpu
 
-.PHONY: setup test test-gpu parity bench compare clean
+.PHONY: setup test test-gpu parity bench compare baseline clean
 
 setup:
 	@$(PYTHON) -c 'import sys; v = sys.version_info[:2]; assert (3, 11) <= v <= (3, 12), f"Python 3.11 or 3.12 needed, found {v}"'
@@ -15,10 +19,10 @@ setup:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(if $(TORCH_SPEC),$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)")
 	$(BIN)/python -m pip install --quiet -e .
-	$(BIN)/python -c 'import harness.fixtures.plugin, megatron.core, mbridge; print("setup ok:", megatron.core.__version__)'
+	$(BIN)/python -c 'import importlib, megatron.core, mbridge, harness.pytest_plugin.plugin as p; [importlib.import_module(m) for m in p.pytest_plugins]; print("setup ok:", megatron.core.__version__)'
 
 test:
-	$(BIN)/python -m pytest suites $(PYTEST_ARGS)
+	$(BIN)/python -m pytest suites --mrh-run-dir=$(RUN_DIR) $(PYTEST_ARGS)
 
 test-gpu:
 	$(BIN)/python -m pytest suites -m gpu $(PYTEST_ARGS)
@@ -29,9 +33,13 @@ parity:
 bench:
 	$(BIN)/mrh bench world --ranks 2 --device cpu
 
-# The newest run against the committed CPU baseline (nightly regression check).
+# `make test`'s run against the committed CPU baseline: exit 1 on a regression (CI runs it).
 compare:
-	$(BIN)/mrh report compare reports/baselines/cpu "$$(ls -td reports/runs/*/ | head -1)" --markdown reports/runs/compare.md
+	$(BIN)/mrh report compare $(BASELINE) $(RUN_DIR) --markdown $(RUN_DIR)/compare.md
+
+# Make `make test`'s run the baseline (refused unless the run is complete and clean).
+baseline:
+	$(BIN)/mrh report baseline $(RUN_DIR) --to $(BASELINE)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,10 +1,23 @@
 #!/usr/bin/env bash
 # Run a suite on a lent GPU machine (bare image: Python 3.12 + torch, no megatron-core/mbridge).
-# Usage: bash ci/device_run.sh NAME [pytest args...]   (wheels in .whl/, results under $OUT)
+# Usage: MRH_GIT_COMMIT=SHA [MRH_GIT_DIRTY=0|1] bash ci/device_run.sh NAME [pytest args...]
+#   (wheels in .whl/, results under $OUT). The tree arrives without .git, so the commit the reports
+#   record comes from MRH_GIT_COMMIT: compose the command where git is, `$(bash ci/git_env.sh) bash ...`.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 name=$1; shift
 out=${OUT:-reports/gpu}
+# Bad commit variables stop the run before any work; a missing one only warns (the run still counts).
+if [ -n "${MRH_GIT_COMMIT:-}" ] && ! [[ $MRH_GIT_COMMIT =~ ^[0-9a-f]{7,40}$ ]]; then
+  echo "device_run.sh: MRH_GIT_COMMIT='$MRH_GIT_COMMIT' is not a git sha (7-40 hex digits)" >&2; exit 2
+fi
+if ! [[ ${MRH_GIT_DIRTY:-0} =~ ^[01]$ ]]; then
+  echo "device_run.sh: MRH_GIT_DIRTY='$MRH_GIT_DIRTY' must be 0 or 1" >&2; exit 2
+fi
+if ! git rev-parse HEAD >/dev/null 2>&1 && [ -z "${MRH_GIT_COMMIT:-}" ]; then
+  echo "device_run.sh: WARNING: no .git here and MRH_GIT_COMMIT is unset: the reports will record" \
+       "git_commit \"unknown\". Prefix the command with the output of 'bash ci/git_env.sh'." >&2
+fi
 # Install once per machine (several runs may share it, possibly concurrently on disjoint GPUs).
 if ! python3 -c "import megatron.core, mbridge, harness" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl || exit 1

@@ -1,5 +1,8 @@
 """Turn a device run's JUnit XML into a committed report: JSON + Markdown with machine, versions,
-date and command (until the report recorder of harness/report lands, this is the GPU record)."""
+commit, date and command (until the report recorder of harness/report lands, this is the GPU record).
+
+The commit comes from harness.report.fingerprint.git_revision, as in every run report: from git, or
+on a machine whose tree came without .git from $MRH_GIT_COMMIT / $MRH_GIT_DIRTY ("unknown" without)."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +12,8 @@ import subprocess
 import xml.etree.ElementTree as ET
 from importlib import metadata
 from pathlib import Path
+
+from harness.report.fingerprint import git_revision
 
 
 def _version(dist: str) -> str | None:
@@ -31,6 +36,7 @@ def environment() -> dict:
         "host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
         "cuda": torch.version.cuda, "driver": driver, "gpus": gpus, "gpu_count": len(gpus),
         **{name: _version(name) for name in ("megatron-core", "mbridge", "transformers", "transformer-engine")},
+        **git_revision(),
     }
 
 
@@ -78,13 +84,18 @@ def _metric_table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def main() -> None:
+def _commit_line(env: dict) -> str:
+    dirty = " +dirty (tracked files differed from it)" if env.get("git_dirty") else ""
+    return f"- commit: `{env.get('git_commit')}`{dirty}"
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     for flag in ("--name", "--junit", "--log", "--started", "--command", "--out"):
         parser.add_argument(flag, required=True)
     parser.add_argument("--wall-s", type=float, required=True)
     parser.add_argument("--rows-dir", help="a --mrh-report-dir: its results.json rows are embedded")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     rows = cases(Path(args.junit))
     metric_rows = _metric_rows(args.rows_dir)
     counts = {k: sum(r["outcome"] == k for r in rows) for k in ("passed", "failed", "error", "skipped")}
@@ -98,6 +109,7 @@ def main() -> None:
              f"- machine: {env['gpu_count']}x {env['gpus'][0] if env['gpus'] else 'no GPU'}, driver {env['driver']}, host {env['host']}",
              f"- versions: python {env['python']}, torch {env['torch']} (CUDA {env['cuda']}), megatron-core {env['megatron-core']}, "
              f"mbridge {env['mbridge']}, transformers {env['transformers']}, transformer-engine {env['transformer-engine']}",
+             _commit_line(env),
              "- outcome: " + ", ".join(f"{v} {k}" for k, v in counts.items()), "",
              "| test | outcome | time (s) | detail |", "|---|---|---|---|"]
     lines += [f"| `{r['test']}` | {r['outcome']} | {r['time_s']:.2f} | {r['detail'].replace('|', '/')} |"

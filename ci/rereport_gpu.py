@@ -9,8 +9,8 @@ import json
 import sys
 from pathlib import Path
 
-from harness.report.render import SCHEMA_VERSION, render_run
-from harness.report.rows import atomic_write
+from harness.report.render import render_run
+from harness.report.rows import SCHEMA_VERSION, atomic_write
 
 
 def _nodeid(junit_name: str) -> str:

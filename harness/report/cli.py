@@ -1,4 +1,4 @@
-"""`mrh report compare|trend|render`: the report tools on the command line."""
+"""`mrh report compare|trend|render|baseline`: the report tools on the command line."""
 from __future__ import annotations
 
 import argparse
@@ -7,8 +7,9 @@ from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", choices=("compare", "trend", "render"),
-                        help="compare BASELINE CURRENT | trend RUN_DIR... [--out DIR] | render RUN_DIR")
+    parser.add_argument("action", choices=("compare", "trend", "render", "baseline"),
+                        help="compare BASELINE CURRENT | trend RUN_DIR... [--out DIR] | render RUN_DIR | "
+                             "baseline RUN_DIR [--to DIR]")
     parser.add_argument("rest", nargs=argparse.REMAINDER, help="the action's own arguments (see ACTION -h)")
 
 
@@ -37,4 +38,8 @@ def main(args) -> int:
         from harness.report.trend import main_trend
 
         return main_trend(args.rest)
+    if args.action == "baseline":
+        from harness.report.baseline import main_baseline
+
+        return main_baseline(args.rest)
     return _render(args.rest)

@@ -12,9 +12,13 @@ Each joined pair is judged by the metric's rule (rules.py): a REGRESSION when th
 worse than the baseline by more than the rule allows in the rule's bad direction ("equal" metrics:
 any change beyond the allowance), or when the row's `passed` went True -> False, or (test level)
 when a test that passed in the baseline failed, errored or did not finish. IMPROVEMENTS are the
-mirror image (and passed False -> True). Rows only in the current run are NEW, rows only in the
-baseline are MISSING: both are listed in full and never dropped; they do not by themselves count
-as a regression (a subset run is legitimate), but a test that crashed shows as a test regression.
+mirror image (and passed False -> True). A value worse beyond the allowance under a rule that does
+not gate (wall times: they depend on the machine) is listed as UNGATED, not as a regression.
+Rows only in the current run are NEW, rows only in the baseline are MISSING: both are listed in
+full and never dropped; they do not by themselves count as a regression (a subset run, a new test,
+a skipped one are legitimate), but a test that crashed shows as a test regression. GENERATED rows
+(extra.generated: recorded by a hypothesis test, whose examples differ from run to run) are never
+paired: they are always new or missing.
 """
 from __future__ import annotations
 
@@ -27,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from harness.report.rows import atomic_write
-from harness.report.render import (FAILING_OUTCOMES, Table, blocks_to_markdown,
-                                   fmt_value, load_run, normalise_run)
+from harness.report.blocks import Table, blocks_to_markdown, fmt_value
+from harness.report.results import FAILING_OUTCOMES, load_run, normalise_run
 from harness.report.rules import Rule, rule_for
 
 KEY_FIELDS = ("suite", "test", "layout", "model", "dtype", "device", "metric")
@@ -80,6 +84,7 @@ class CompareResult:
     current_source: str
     regressions: list[Change] = field(default_factory=list)
     improvements: list[Change] = field(default_factory=list)
+    ungated: list[Change] = field(default_factory=list)
     tests_regressed: list[TestChange] = field(default_factory=list)
     new: list[dict[str, Any]] = field(default_factory=list)
     missing: list[dict[str, Any]] = field(default_factory=list)
@@ -92,9 +97,9 @@ class CompareResult:
     def headline(self) -> str:
         verdict = "REGRESSED" if self.regressed else "no regression"
         return (f"**{verdict}**: {len(self.regressions)} rows regressed, {len(self.tests_regressed)} "
-                f"tests stopped passing, {len(self.improvements)} rows improved, {self.unchanged} "
-                f"unchanged, {len(self.new)} new rows (only in current), {len(self.missing)} "
-                f"missing rows (only in baseline).")
+                f"tests stopped passing, {len(self.improvements)} rows improved, {len(self.ungated)} "
+                f"worse but not gating, {self.unchanged} unchanged, {len(self.new)} new rows (only "
+                f"in current), {len(self.missing)} missing rows (only in baseline).")
 
     def to_markdown(self, max_rows: int | None = None) -> str:
         """Regressions first, then tests that stopped passing, improvements, new and missing rows.
@@ -106,6 +111,7 @@ class CompareResult:
             ("p", self.headline())]
         sections = (("Regressions", self.regressions, _change_table),
                     ("Tests that stopped passing", self.tests_regressed, _test_table),
+                    ("Worse, not gating (machine-dependent: wall times)", self.ungated, _change_table),
                     ("Improvements", self.improvements, _change_table),
                     ("New rows (only in current)", self.new, _row_table),
                     ("Missing rows (only in baseline)", self.missing, _row_table))
@@ -154,6 +160,20 @@ def _float(value: Any) -> float:
         return math.nan
 
 
+def _tolerance(row: dict[str, Any]) -> float | None:
+    value = _float(row.get("tolerance"))
+    return None if math.isnan(value) else value
+
+
+def is_generated(row: dict[str, Any]) -> bool:
+    """Recorded by a property-based (hypothesis) test: its examples differ between runs."""
+    return bool((row.get("extra") or {}).get("generated"))
+
+
+def _stopped_passing(baseline: dict[str, Any], current: dict[str, Any]) -> bool:
+    return bool(baseline.get("passed")) and not current.get("passed")
+
+
 def judge(baseline: dict[str, Any], current: dict[str, Any]) -> tuple[str, float, list[str], Rule]:
     """("regression" | "improvement" | "same", current - baseline, reasons, rule) for one pair."""
     rule = rule_for(str(current.get("metric", "")))
@@ -161,7 +181,7 @@ def judge(baseline: dict[str, Any], current: dict[str, Any]) -> tuple[str, float
     delta = c - b if not (math.isnan(b) or math.isnan(c)) else math.nan
     worse: list[str] = []
     better: list[str] = []
-    if baseline.get("passed") and not current.get("passed"):
+    if _stopped_passing(baseline, current):
         worse.append(f"passed → failed (tolerance {fmt_value(current.get('tolerance'))})")
     elif not baseline.get("passed") and current.get("passed"):
         better.append("failed → passed")
@@ -172,7 +192,7 @@ def judge(baseline: dict[str, Any], current: dict[str, Any]) -> tuple[str, float
     elif math.isnan(b):
         (worse if rule.direction == "equal" else better).append("was NaN")
     else:
-        allowed = rule.allowed(b)
+        allowed = rule.allowed(b, _tolerance(baseline))
         bad = {"lower_is_better": delta, "higher_is_better": -delta}.get(rule.direction, abs(delta))
         limit = f"allowed {fmt_value(allowed)} ({rule.kind} {rule.tolerance:g}, {rule.direction})"
         if bad > allowed:
@@ -195,7 +215,8 @@ def compare_runs(baseline: dict[str, Any] | str | os.PathLike,
     """Compare two runs (loaded documents, run directories or results.json paths); see module doc."""
     base, cur = _as_run(baseline, "baseline"), _as_run(current, "current")
     result = CompareResult(base["source"], cur["source"])
-    base_rows, cur_rows = index_rows(base["rows"]), index_rows(cur["rows"])
+    base_rows = index_rows([r for r in base["rows"] if not is_generated(r)])
+    cur_rows = index_rows([r for r in cur["rows"] if not is_generated(r)])
     for key, row in cur_rows.items():
         if key not in base_rows:
             result.new.append(row)
@@ -203,10 +224,17 @@ def compare_runs(baseline: dict[str, Any] | str | os.PathLike,
         verdict, delta, reasons, rule = judge(base_rows[key], row)
         if verdict == "same":
             result.unchanged += 1
+            continue
+        change = Change(key, base_rows[key], row, rule, delta, reasons)
+        if verdict == "improvement":
+            result.improvements.append(change)
+        elif rule.gating or _stopped_passing(base_rows[key], row):
+            result.regressions.append(change)
         else:
-            change = Change(key, base_rows[key], row, rule, delta, reasons)
-            (result.regressions if verdict == "regression" else result.improvements).append(change)
+            result.ungated.append(change)
     result.missing = [row for key, row in base_rows.items() if key not in cur_rows]
+    result.new += [r for r in cur["rows"] if is_generated(r)]
+    result.missing += [r for r in base["rows"] if is_generated(r)]
     before = {t.get("nodeid"): t for t in base["tests"]}
     for test in cur["tests"]:
         old = before.get(test.get("nodeid"))

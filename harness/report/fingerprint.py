@@ -4,7 +4,9 @@ A report row means little without the stack that produced it (a parity number on
 0.16 says nothing about 0.17), so every run stores this fingerprint next to its rows.
 
 Fast (well under a second) and never raises: it is called at the start of every pytest session,
-and a broken `git` or `nvidia-smi` must not cost the run. Anything that cannot be found is None.
+and a broken `git` or `nvidia-smi` must not cost the run. Anything that cannot be found is None,
+except the commit: a working tree shipped without `.git` (the GPU machines get one) takes it from
+$MRH_GIT_COMMIT (and $MRH_GIT_DIRTY), and says "unknown" when neither git nor the variable has it.
 It deliberately does not `import torch` (that alone takes > 1 s) and never creates a CUDA context
 (that would pin GPU memory in the pytest parent, which only coordinates the rank processes).
 """
@@ -37,7 +39,8 @@ def environment_fingerprint(device: str | None = None) -> dict[str, Any]:
 
     Keys: python, torch, megatron-core, mbridge, transformer-engine, transformers, cuda (the CUDA
     runtime torch was built with), driver, gpus (model of every GPU nvidia-smi sees), gpu_model,
-    gpu_count (GPUs this process may use), cuda_visible_devices, device, git_commit, host, platform.
+    gpu_count (GPUs this process may use), cuda_visible_devices, device, git_commit, git_dirty,
+    host, platform (git_commit and git_dirty: see git_revision).
     """
     fingerprint: dict[str, Any] = {"python": platform.python_version()}
     for key, names in PACKAGES.items():
@@ -51,7 +54,7 @@ def environment_fingerprint(device: str | None = None) -> dict[str, Any]:
         gpu_count=_safe(lambda: _gpu_count(len(gpus))) or 0,
         cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
         device=device,
-        git_commit=_safe(_git_commit),
+        **git_revision(),
         host=_safe(socket.gethostname),
         platform=_safe(platform.platform),
     )
@@ -118,5 +121,28 @@ def _gpu_count(seen_by_smi: int) -> int:
     return seen_by_smi
 
 
-def _git_commit() -> str | None:
-    return _run(["git", "rev-parse", "HEAD"]) or None
+GIT_COMMIT_ENV = "MRH_GIT_COMMIT"
+GIT_DIRTY_ENV = "MRH_GIT_DIRTY"
+UNKNOWN_COMMIT = "unknown"
+_TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no")
+
+
+def git_revision() -> dict[str, Any]:
+    """{"git_commit": ..., "git_dirty": ...} of the code this process runs.
+
+    From git when the working tree has it (dirty: tracked files differ from HEAD). Without git
+    (a tree copied without .git, as on the GPU machines) from $MRH_GIT_COMMIT and the optional
+    $MRH_GIT_DIRTY (1/0; unset: None), which the caller sets where git is available (ci/git_env.sh prints
+    them). Neither: git_commit "unknown", git_dirty None. Never raises.
+    """
+    commit = _safe(lambda: _run(["git", "rev-parse", "HEAD"]))
+    if commit:
+        # --no-optional-locks: never take the index lock a concurrent `git commit` may need.
+        status = _safe(lambda: _run(["git", "--no-optional-locks", "status", "--porcelain",
+                                     "--untracked-files=no"]))
+        return {"git_commit": commit, "git_dirty": None if status is None else bool(status)}
+    commit = os.environ.get(GIT_COMMIT_ENV, "").strip()
+    if not commit:
+        return {"git_commit": UNKNOWN_COMMIT, "git_dirty": None}
+    dirty = os.environ.get(GIT_DIRTY_ENV, "").strip().lower()
+    return {"git_commit": commit, "git_dirty": True if dirty in _TRUE else False if dirty in _FALSE else None}

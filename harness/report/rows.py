@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1  # of results.json; its layout is documented in harness.report.render
+SCHEMA_VERSION = 1  # of results.json; its layout is documented in harness.report.results
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """A run's report directory, kept current while the run goes on.
 
-results.json (schema: harness.report.render) is rewritten atomically after every test, so a run
+results.json (schema: harness.report.results) is rewritten atomically after every test, so a run
 that is killed still leaves a readable report: tests that never finished stay "unfinished". Under
 pytest-xdist every worker keeps its own file under `workers/<id>/`; the controller, which sees
 every test's outcome, merges the workers' rows into the run's results.json each time it writes.
@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -24,6 +25,22 @@ def as_row(record: dict[str, Any], suite: str, test: str) -> Row:
     known.setdefault("suite", suite)
     known.setdefault("test", test)
     return Row(**known, extra=extra)
+
+
+def claim_run_dir(directory: Path) -> Path | None:
+    """Make `directory` free for a new run; a previous run there (it holds results.json) is moved
+    beside it, to the timestamped name a run gets by default, and that path is returned. A
+    non-empty directory that is not a run is refused (ValueError): it is not ours to move."""
+    directory = Path(directory)
+    if not directory.exists() or (directory.is_dir() and not any(directory.iterdir())):
+        return None
+    if not (directory / "results.json").is_file():
+        raise ValueError(f"{directory} exists and is not a run directory (no results.json); "
+                         "choose another run directory or move it away")
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime((directory / "results.json").stat().st_mtime))
+    moved = directory.with_name(f"{stamp}-{uuid.uuid4().hex[:6]}")
+    directory.rename(moved)
+    return moved
 
 
 def _now() -> str:

@@ -20,7 +20,8 @@ from typing import Any
 import pandas as pd
 from matplotlib.figure import Figure
 
-from harness.report.render import figure_png, is_expected_failure, load_run
+from harness.report.plots import figure_png
+from harness.report.results import is_expected_failure, load_run
 from harness.report.rows import atomic_write
 from harness.report.rules import rule_for
 

@@ -14,7 +14,7 @@ change nothing, and a checkpoint's restored RNG state is what the next step uses
     policy.close()
 
 `ReferenceHandle` does the same for the frozen reference/old-policy worker. The pytest fixtures
-`policy` and `reference` (harness.fixtures.workers) make these and close them after the test.
+`policy` and `reference` (harness.pytest_plugin.workers) make these and close them after the test.
 """
 from __future__ import annotations
 

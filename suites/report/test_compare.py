@@ -11,7 +11,7 @@ import pytest
 
 from harness.report.compare import compare_runs, main_compare, row_key
 from harness.report.rules import RULES, rule_for
-from suites.report.test_render import make_run, nodeid, parity_rows, row, write_run
+from suites.report.runs import make_run, nodeid, parity_rows, row, write_run
 
 
 @pytest.fixture
@@ -84,7 +84,7 @@ def test_passed_true_to_false_is_a_regression(baseline: dict[str, Any]) -> None:
     flipped["passed"] = False  # same value, but e.g. the tolerance was tightened
     result = compare_runs(baseline, current)
     assert result.regressed and [c.current for c in result.regressions] == [flipped]
-    assert result.regressions[0].reasons == ["passed → failed (tolerance 1e-05)"]
+    assert result.regressions[0].reasons == ["passed → failed (tolerance 0.99)"]  # fp32 top-1 bound
     back = compare_runs(current, baseline)  # and the reverse is an improvement
     assert not back.regressed and back.improvements[0].reasons == ["failed → passed"]
 
@@ -177,3 +177,79 @@ def test_equal_metrics_flag_any_change() -> None:
     result = compare_runs(base, changed)
     assert result.regressed and result.regressions[0].reasons[0].startswith("changed by 1")
     assert not compare_runs(changed, base).improvements  # "equal" has no better direction
+
+
+# ------------------------------------------------------------- another machine, same code (CI)
+def test_another_machines_rounding_is_not_a_regression(baseline: dict[str, Any]) -> None:
+    """bf16 values move with the machine's kernels: a quarter of a row's room to its own bound is
+    allowed; an fp32 value near its bound gets no such room."""
+    base = copy.deepcopy(baseline)
+    find(base, "max_abs", dtype="bf16")["value"] = 0.05  # bound 0.4: room 0.35, allowed 0.0875
+    find(base, "top1_agreement", dtype="bf16")["value"] = 0.96  # bound 0.9: room 0.06
+    find(base, "max_abs")["value"] = 9e-6  # fp32 bound 1e-5: room 1e-6 adds nothing; rel 0.5 decides
+    other_cpu = copy.deepcopy(base)
+    find(other_cpu, "max_abs", dtype="bf16")["value"] = 0.13
+    find(other_cpu, "top1_agreement", dtype="bf16")["value"] = 0.945
+    find(other_cpu, "max_abs")["value"] = 9.9e-6
+    result = compare_runs(base, other_cpu)
+    assert not result.regressed and result.unchanged == len(base["rows"])
+    worse = copy.deepcopy(base)
+    find(worse, "max_abs", dtype="bf16")["value"] = 0.15
+    find(worse, "top1_agreement", dtype="bf16")["value"] = 0.93  # past 0.02 and a quarter of 0.06
+    find(worse, "max_abs")["value"] = 1.4e-5  # 5e-6 worse > 4.5e-6 allowed
+    assert sorted((c.current["metric"], c.current["dtype"]) for c in compare_runs(base, worse).regressions) == [
+        ("max_abs", "bf16"), ("max_abs", "fp32"), ("top1_agreement", "bf16")]
+
+
+def test_wall_times_are_listed_but_never_gate() -> None:
+    test = nodeid("test_resume", "cpu-tp2-to-pp2")
+    base = make_run([row(test, "save_s", 0.5, tolerance=None, units="s"),
+                     row(test, "load_s", 0.4, tolerance=None, units="s")])
+    slower = copy.deepcopy(base)
+    slower["rows"][0]["value"] = 1.5  # 3x: another machine, or a loaded one
+    result = compare_runs(base, slower)
+    assert not result.regressed and [c.current["metric"] for c in result.ungated] == ["save_s"]
+    text = result.to_markdown()
+    assert "**no regression**" in text and "### Worse, not gating (machine-dependent: wall times) (1)" in text
+    slower["rows"][1]["passed"] = False  # a timing the test itself bounded and missed still gates
+    assert [c.current["metric"] for c in compare_runs(base, slower).regressions] == ["load_s"]
+
+
+def test_generated_rows_are_listed_never_paired() -> None:
+    """Rows of a hypothesis test come from examples that differ between runs."""
+    test = nodeid("test_parity_holds_on_generated_batches", "cpu")
+    fixed = row(nodeid("test_x", "cpu"), "max_abs", 1e-6)
+    base = make_run([fixed] + [row(test, "max_abs", v, extra={"generated": True}) for v in (1e-7, 2e-6)])
+    current = make_run([fixed] + [row(test, "max_abs", v, extra={"generated": True}) for v in (9e-6, 3e-7, 1e-6)])
+    result = compare_runs(base, current)
+    assert not result.regressed and result.unchanged == 1
+    assert [r["value"] for r in result.new] == [9e-6, 3e-7, 1e-6] and [r["value"] for r in result.missing] == [1e-7, 2e-6]
+    old_baseline = make_run([fixed] + [row(test, "max_abs", 1e-7)])  # recorded before rows were marked
+    assert compare_runs(old_baseline, current).missing[0]["value"] == 1e-7
+
+
+def test_training_and_checkpoint_metrics_tolerate_noise_not_bugs() -> None:
+    test = nodeid("test_policy_matches_ground_truth", "cpu-tp2-fp32")
+    base = make_run([row(test, "loss_rel_diff", 1e-7), row(test, "grad_norm_rel_diff", 1.3e-6),
+                     row(test, "param_max_abs_diff", 3e-6), row(test, "tensors_differing", 0.0, tolerance=0)])
+    noise = copy.deepcopy(base)
+    for r, v in zip(noise["rows"], (9e-7, 2e-6, 4.5e-6, 0.0)):
+        r["value"] = v
+    assert not compare_runs(base, noise).regressed
+    bug = copy.deepcopy(base)
+    for r, v in zip(bug["rows"], (3e-6, 2e-5, 9e-6, 1.0)):
+        r["value"] = v
+    assert [c.current["metric"] for c in compare_runs(base, bug).regressions] == [
+        "loss_rel_diff", "grad_norm_rel_diff", "param_max_abs_diff", "tensors_differing"]
+
+
+def test_rules_room_and_gating() -> None:
+    rule = rule_for("max_abs")
+    assert rule.allowed(0.05, 0.4) == pytest.approx(0.0875) and rule.allowed(0.05) == pytest.approx(0.025)
+    assert rule.allowed(0.5, 0.4) == pytest.approx(0.25)  # past its bound: no room
+    assert rule_for("top1_agreement").room(0.96, 0.9) == pytest.approx(0.06)
+    assert rule_for("num_layers").room(4.0, 1.0) == 0.0  # "equal" metrics have no room
+    assert not rule_for("save_s").gating and not rule_for("weight_sync_blocking_s").gating
+    assert all(r.gating for r in RULES if not r.metric_pattern.endswith("_s") and "blocking_s" not in r.metric_pattern)
+    assert rule_for("next_loss_rel_diff").metric_pattern == "*_rel_diff"
+    assert rule_for("next_param_max_abs_diff").metric_pattern == "*max_abs_diff"

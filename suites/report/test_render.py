@@ -2,10 +2,8 @@
 renderers, on synthetic rows and on the rows of a real GPU run. No processes, no GPUs."""
 from __future__ import annotations
 
-import base64
 import json
 import time
-from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
@@ -13,65 +11,16 @@ import pandas as pd
 import pytest
 
 from harness.report import Row
+from harness.report.blocks import fmt_value
 from harness.report.fingerprint import environment_fingerprint
+from harness.report.render import render_run, write_csv, write_html, write_summary_md
+from harness.report.results import load_run
 from harness.report.rows import SCHEMA_VERSION, atomic_write
-from harness.report.render import (MD_LIMIT_BYTES, fmt_value, load_run,
-                                   render_run, write_csv, write_html, write_summary_md)
+from harness.report.summary import MD_LIMIT_BYTES
+from suites.report.runs import PNG_MAGIC, make_run, nodeid, parity_rows, parse_html, png_images, row, write_run
 
 REPO = Path(__file__).resolve().parents[2]
 GPU_REPORT = REPO / "reports/gpu/2026-11-21-parity-h200x4/parity-2gpu.json"
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-METRICS = {"max_abs": 1.9e-6, "mean_abs": 5e-7, "token_mult_prob_error": 1 + 5e-7, "kl_k3": 2e-13,
-           "top1_agreement": 1.0}
-
-
-# ----------------------------------------------------------------------- synthetic run builders
-def nodeid(name: str, params: str) -> str:
-    return f"suites/parity/test_parity.py::{name}[{params}]"
-
-
-def row(test: str, metric: str, value: float, *, passed: bool = True, tolerance: float | None = 1e-5,
-        layout: str = "tp1", model: str = "tiny-qwen3", dtype: str = "fp32", device: str = "cpu",
-        units: str = "", suite: str = "parity", extra: dict[str, Any] | None = None,
-        outcome: str | None = "passed") -> dict[str, Any]:
-    """A row as the plugin writes it: the real Row dataclass, plus its test's outcome."""
-    record = Row(suite=suite, test=test, layout=layout, metric=metric, value=value,
-                 tolerance=tolerance, passed=passed, model=model, dtype=dtype, device=device,
-                 units=units, extra=dict({"variant": None, "packing": "right"}, **(extra or {}))).as_dict()
-    record["outcome"] = outcome
-    return record
-
-
-def parity_rows(models=("tiny-qwen3", "tiny-llama"), layouts=("tp1", "tp2", "pp2"),
-                dtypes=("fp32", "bf16"), scale: float = 1.0) -> list[dict[str, Any]]:
-    rows = []
-    for model in models:
-        for layout in layouts:
-            for dtype in dtypes:
-                test = nodeid("test_megatron_logprobs_match_hf", f"cpu-{layout}-{model}-{dtype}")
-                for metric, value in METRICS.items():
-                    rows.append(row(test, metric, value * (scale if metric != "top1_agreement" else 1),
-                                    layout=layout, model=model, dtype=dtype))
-    return rows
-
-
-def make_run(rows: list[dict[str, Any]], tests: list[dict[str, Any]] | None = None,
-             started: str = "2026-11-21T20:00:00Z", complete: bool = True) -> dict[str, Any]:
-    if tests is None:  # one passed test per distinct row test, unless the caller says otherwise
-        tests = [{"nodeid": t, "suite": "parity", "outcome": "passed", "duration_s": 0.5, "message": ""}
-                 for t in dict.fromkeys(r["test"] for r in rows)]
-    return {"schema_version": SCHEMA_VERSION,
-            "meta": {"started": started, "finished": "2026-11-21T20:03:30Z", "args": ["suites"],
-                     "fingerprint": {"python": "3.11.7", "torch": "2.13.0", "megatron-core": "0.16.1",
-                                     "gpus": [], "gpu_count": 0, "git_commit": "a" * 40},
-                     "complete": complete},
-            "tests": tests, "rows": rows}
-
-
-def write_run(directory: Path, document: dict[str, Any]) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "results.json").write_text(json.dumps(document), encoding="utf-8")
-    return directory
 
 
 FAILED_TEST = nodeid("test_megatron_logprobs_match_hf", "cpu-tp2-tiny-qwen2-bf16")
@@ -104,39 +53,6 @@ def mixed_run() -> dict[str, Any]:
          "suite": "parity", "outcome": "skipped", "duration_s": 0.0, "message": "needs 4 ranks"},
     ]
     return run
-
-
-class _Collector(HTMLParser):
-    """Collects <img> sources and checks that table elements open and close in pairs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.images: list[str] = []
-        self.depth: dict[str, int] = {}
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        if tag == "img":
-            self.images.append(dict(attrs)["src"] or "")
-        if tag in ("table", "tr", "td", "th", "figure", "h1", "h2", "h3", "p"):
-            self.depth[tag] = self.depth.get(tag, 0) + 1
-
-    def handle_endtag(self, tag: str) -> None:
-        if tag in self.depth:
-            self.depth[tag] -= 1
-
-
-def parse_html(path: Path) -> _Collector:
-    collector = _Collector()
-    collector.feed(path.read_text(encoding="utf-8"))
-    collector.close()
-    assert all(v == 0 for v in collector.depth.values()), collector.depth
-    return collector
-
-
-def png_images(collector: _Collector) -> list[bytes]:
-    prefix = "data:image/png;base64,"
-    assert all(src.startswith(prefix) for src in collector.images)
-    return [base64.b64decode(src[len(prefix):], validate=True) for src in collector.images]
 
 
 # --------------------------------------------------------------------------------------- summary
@@ -317,12 +233,13 @@ def test_fingerprint_is_complete_fast_and_never_raises(monkeypatch: pytest.Monke
     fp = environment_fingerprint("cpu")
     assert time.perf_counter() - start < 1.0
     assert {"python", "torch", "megatron-core", "mbridge", "transformer-engine", "transformers", "cuda",
-            "driver", "gpus", "gpu_count", "device", "git_commit", "host", "platform"} <= set(fp)
+            "driver", "gpus", "gpu_count", "device", "git_commit", "git_dirty", "host", "platform"} <= set(fp)
     assert fp["device"] == "cpu" and fp["python"].count(".") == 2 and fp["torch"]
-    assert fp["git_commit"] is None or len(fp["git_commit"]) == 40
+    assert fp["git_commit"] == "unknown" or len(fp["git_commit"]) == 40
     json.dumps(fp)  # JSON-able as is
     monkeypatch.setenv("PATH", "")  # no git, no nvidia-smi
+    monkeypatch.delenv("MRH_GIT_COMMIT", raising=False)
     monkeypatch.chdir("/")
     bare = environment_fingerprint()
-    assert bare["git_commit"] is None and bare["driver"] is None and bare["gpus"] == []
+    assert bare["git_commit"] == "unknown" and bare["driver"] is None and bare["gpus"] == []
     assert bare["device"] is None

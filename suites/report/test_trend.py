@@ -6,8 +6,7 @@ import re
 from pathlib import Path
 
 from harness.report.trend import MAX_SERIES, main_trend, trend
-from suites.report.test_render import (PNG_MAGIC, make_run, nodeid, parity_rows, parse_html, png_images,
-                                       row, write_run)
+from suites.report.runs import PNG_MAGIC, make_run, nodeid, parity_rows, parse_html, png_images, row, write_run
 
 
 def three_runs(tmp_path: Path) -> list[Path]:

@@ -1,0 +1,127 @@
+"""What a session collects: the plugin's options and markers, the device variants it generates,
+and keeping CUDA variants out of a run whose `-m` expression does not ask for them.
+
+A plain `pytest suites` is the CPU tier, and so is `pytest suites -m "not slow"` or `-m nightly`:
+an expression that does not depend on `gpu` must not switch the CUDA variants on by accident.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+from _pytest.mark.expression import Expression
+
+DEVICES = ("cpu", "cuda")
+GPU_MARKER = "gpu"
+MARKERS = {
+    "gpu": "CUDA/NCCL variant of a test (select with -m gpu); skipped when too few GPUs",
+    "slow": "takes more than ~30 s on 2 CPU cores",
+    "nightly": "part of the nightly regression run",
+    "upstream": "reproduces an upstream bug report",
+    "world_size(n)": "number of rank processes the test's world needs",
+    "layouts(cpu=[...], cuda=[...] | 'all')": "parametrize (device, layout) jointly: the layouts "
+    "each device runs; cuda='all' is every valid layout of the machine's GPUs",
+    "layout_pairs(cpu=[(a, b), ...], cuda=[...] | 'all')": "parametrize (device, source, target): "
+    "ordered layout pairs; cuda='all' is every ordered pair of the machine's plain layouts "
+    "(no sp/vpp) of its full GPU count",
+}
+_SELECTS_GPU = pytest.StashKey[bool]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("megatron-rl-harness")
+    group.addoption("--mrh-devices", default="cpu,cuda",
+                    help="comma list of device variants to generate (cpu, cuda). Default: both; "
+                         "cuda variants still need -m gpu.")
+    group.addoption("--mrh-max-world-size", type=int, default=None,
+                    help="skip tests whose world needs more ranks (default: 4 on CPU, #GPUs on cuda)")
+    group.addoption("--mrh-timeout", type=float, default=300.0,
+                    help="seconds one call on the ranks may take before every rank's stack is "
+                         "dumped and the world restarted (default 300)")
+    group.addoption("--mrh-report-dir", default=os.environ.get("MRH_REPORT_DIR", "reports/runs"),
+                    help="directory for run reports: each run writes DIR/<timestamp>-<id>/ "
+                         "(default reports/runs or $MRH_REPORT_DIR)")
+    # No environment variable on purpose: pytester's inner sessions inherit the environment and
+    # would all write (and move) the outer run's directory.
+    group.addoption("--mrh-run-dir", default=None,
+                    help="this run's report directory itself, instead of a new one under "
+                         "--mrh-report-dir (`make test` uses reports/runs/latest); a previous run "
+                         "found there is first moved beside it under its timestamped name")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, text in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {text}")
+    selected_devices(config)  # a bad --mrh-devices is a usage error before collection
+    config.stash[_SELECTS_GPU] = selects_gpu(config.getoption("markexpr") or "")
+
+
+def selected_devices(config: pytest.Config) -> list[str]:
+    devices = [d.strip() for d in config.getoption("--mrh-devices").split(",") if d.strip()]
+    unknown = sorted(set(devices) - set(DEVICES))
+    if unknown:
+        raise pytest.UsageError(f"--mrh-devices: unknown device(s) {unknown}; choose from {DEVICES}")
+    return devices
+
+
+def gpu_count() -> int:
+    """CUDA devices this process may use (0 without CUDA); torch is imported only when asked."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def selects_gpu(markexpr: str) -> bool:
+    """Whether the `-m` expression asks for `gpu`: some combination of the other markers it names
+    makes it False without `gpu` and True with it (`gpu`, `gpu and not slow`, `nightly and gpu`).
+    `not slow`, `nightly` or an empty expression do not: their answer never depends on `gpu`.
+
+    Evaluated with pytest's own expression machinery, so it reads `-m` exactly as pytest does.
+    """
+    if not markexpr.strip():
+        return False
+    try:
+        expression = Expression.compile(markexpr)
+    except SyntaxError as exc:
+        raise pytest.UsageError(f"-m {markexpr!r}: not a valid marker expression ({exc})") from exc
+    names = _identifiers(expression)
+    others = sorted(names - {GPU_MARKER})
+    return any(not _evaluate(expression, set(present)) and _evaluate(expression, {*present, GPU_MARKER})
+               for size in range(len(others) + 1) for present in itertools.combinations(others, size))
+
+
+def _evaluate(expression: Expression, present: set[str], seen: set[str] | None = None) -> bool:
+    """The expression's value for an item carrying exactly the markers in `present`."""
+    def matcher(name: str, /, **kwargs) -> bool:
+        if seen is not None:
+            seen.add(name)
+        return name in present
+
+    return expression.evaluate(matcher)
+
+
+def _identifiers(expression: Expression) -> set[str]:
+    """Every marker name the expression can ask about. `and`/`or` short-circuit, so one evaluation
+    does not see them all: evaluate under every combination of the names seen so far until no new
+    name appears (newer pytest has Expression.idents(); this works on every pytest 8 and 9)."""
+    seen: set[str] = {GPU_MARKER}
+    while True:
+        known = sorted(seen)
+        for size in range(len(known) + 1):
+            for present in itertools.combinations(known, size):
+                _evaluate(expression, set(present), seen)
+        if len(seen) == len(known):
+            return seen
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect the CUDA variants unless `-m` selects `gpu` (then pytest's own `-m` decides)."""
+    if config.stash[_SELECTS_GPU]:
+        return
+    kept, dropped = [], []
+    for item in items:
+        (dropped if item.get_closest_marker(GPU_MARKER) else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept

@@ -1,0 +1,82 @@
+"""The world fixtures: the session's persistent worlds (one per size and device), a test's world,
+private worlds for tests that break theirs, and the skip for a world the machine cannot hold."""
+from __future__ import annotations
+
+import pytest
+
+from harness.launch import World, WorldPool
+from harness.parallel.layout import Layout, parse_layout
+from harness.pytest_plugin.collection import gpu_count
+
+CPU_MAX_WORLD_SIZE = 4  # 4 ranks on a 2-core CI machine is the most the CPU tier plans for
+_POOL_KEY = pytest.StashKey[WorldPool]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_POOL_KEY] = WorldPool(timeout=config.getoption("--mrh-timeout"))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    pool = config.stash.get(_POOL_KEY, None)
+    if pool is not None:
+        pool.close()
+
+
+@pytest.fixture(scope="session")
+def world_pool(pytestconfig: pytest.Config) -> WorldPool:
+    """The session's persistent worlds, one per (size, device)."""
+    return pytestconfig.stash[_POOL_KEY]
+
+
+def _max_world_size(config: pytest.Config, device: str) -> int:
+    configured = config.getoption("--mrh-max-world-size")
+    if configured is not None:
+        return configured
+    return gpu_count() if device == "cuda" else CPU_MAX_WORLD_SIZE
+
+
+def _requested_world_size(request: pytest.FixtureRequest) -> int:
+    marker = request.node.get_closest_marker("world_size")
+    if marker is not None:
+        return int(marker.args[0])
+    params = getattr(getattr(request.node, "callspec", None), "params", {})
+    if "layout" in params:
+        layout = params["layout"]
+        return (layout if isinstance(layout, Layout) else parse_layout(str(layout))).world_size
+    raise pytest.UsageError(
+        f"{request.node.nodeid}: the world fixture needs @pytest.mark.world_size(n) "
+        "or a 'layout' parameter to know how many ranks to start"
+    )
+
+
+def _skip_unless_fits(config: pytest.Config, size: int, device: str) -> None:
+    """Skip the test (with the reason) when a world of `size` ranks does not fit on `device`.
+    Shared by every fixture that starts or borrows a world (here and in `workers`)."""
+    limit = _max_world_size(config, device)
+    if size > limit:
+        what = "GPUs available" if device == "cuda" else "--mrh-max-world-size"
+        pytest.skip(f"needs a world of {size} {device} ranks; {what}: {limit}")
+
+
+@pytest.fixture
+def world(request: pytest.FixtureRequest, world_pool: WorldPool, device: str) -> World:
+    """The persistent world for this test's size and device (started on first use)."""
+    size = _requested_world_size(request)
+    _skip_unless_fits(request.config, size, device)
+    return world_pool.get(size, device)
+
+
+@pytest.fixture
+def fresh_world(request: pytest.FixtureRequest, device: str):
+    """A factory of private worlds (`fresh_world(size)`), for tests that stop or break their world;
+    skipped like `world` when the machine is too small, closed at teardown."""
+    made: list[World] = []
+
+    def make(size: int, **kwargs) -> World:
+        _skip_unless_fits(request.config, size, device)
+        made.append(World(size, device, timeout=request.config.getoption("--mrh-timeout"), **kwargs))
+        return made[-1]
+
+    yield make
+    for world in made:
+        world.close()

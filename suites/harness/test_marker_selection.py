@@ -1,0 +1,69 @@
+"""CUDA variants run only when the `-m` expression asks for `gpu`: a plain run, `-m "not slow"`,
+`-m nightly` or `-m upstream` stays the CPU tier; `-m gpu`, `-m "gpu and not slow"` or
+`-m "nightly and gpu"` select them (and pytest's own `-m` picks among them)."""
+from __future__ import annotations
+
+import pytest
+
+from harness.pytest_plugin.collection import selects_gpu
+
+INNER = """
+import pytest
+
+def test_plain(device):
+    pass
+
+@pytest.mark.slow
+def test_slow(device):
+    pass
+
+@pytest.mark.nightly
+def test_nightly(device):
+    pass
+
+@pytest.mark.upstream
+def test_upstream(device):
+    pass
+"""
+ALL = ("plain", "slow", "nightly", "upstream")
+
+
+def _ids(names, device: str) -> set[str]:
+    return {f"test_{name}[{device}]" for name in names}
+
+
+CASES = {
+    None: _ids(ALL, "cpu"),
+    "not slow": _ids(("plain", "nightly", "upstream"), "cpu"),
+    "nightly": _ids(("nightly",), "cpu"),
+    "upstream": _ids(("upstream",), "cpu"),
+    "not gpu": _ids(ALL, "cpu"),
+    "gpu": _ids(ALL, "cuda"),
+    "gpu and not slow": _ids(("plain", "nightly", "upstream"), "cuda"),
+    "nightly and gpu": _ids(("nightly",), "cuda"),
+    "(not slow) and gpu": _ids(("plain", "nightly", "upstream"), "cuda"),
+    "gpu or slow": _ids(ALL, "cuda") | _ids(("slow",), "cpu"),
+}
+
+
+@pytest.mark.parametrize("markexpr", list(CASES), ids=lambda e: f"m={e}")
+def test_cuda_variants_only_when_the_expression_selects_gpu(pytester, markexpr):
+    pytester.makepyfile(test_inner=INNER)
+    args = ["--collect-only", "-q", "-p", "no:cacheprovider", f"--mrh-report-dir={pytester.path / 'reports'}"]
+    result = pytester.runpytest(*args, *(["-m", markexpr] if markexpr else []))
+    selected = {line.split("::", 1)[1] for line in result.outlines if line.startswith("test_inner.py::")}
+    assert selected == CASES[markexpr]
+
+
+@pytest.mark.parametrize(("markexpr", "expected"), [
+    ("", False), ("   ", False), ("slow", False), ("not slow", False), ("not gpu", False),
+    ("nightly or upstream", False), ("gpu", True), ("gpu and not slow", True), ("not (not gpu)", True),
+    ("slow and (nightly or gpu)", True), ("(a or b) and (c or gpu)", True), ("gpu and not gpu", False),
+])
+def test_selects_gpu(markexpr, expected):
+    assert selects_gpu(markexpr) is expected
+
+
+def test_a_malformed_expression_is_a_usage_error():
+    with pytest.raises(pytest.UsageError, match="not a valid marker expression"):
+        selects_gpu("gpu and")
