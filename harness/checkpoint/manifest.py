@@ -16,12 +16,14 @@ from typing import Any
 
 from harness.checkpoint.errors import CheckpointError
 
-FORMAT = "megatron-rl-harness/checkpoint/1"
+# 2: the model fingerprint holds the whole RoPE configuration ("rope"), not a top-level rope_theta
+# (None under transformers 5, which keeps it in rope_parameters with the scaling type).
+FORMAT = "megatron-rl-harness/checkpoint/2"
 MANIFEST = "manifest.json"
 # The HF config fields that decide whether a checkpoint's tensors belong to a model.
 _MODEL_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
-                 "rope_theta", "rms_norm_eps", "attention_bias")
+                 "rms_norm_eps", "attention_bias")
 
 
 @dataclass
@@ -45,7 +47,12 @@ class Manifest:
 
 
 def model_fingerprint(hf_config) -> dict[str, Any]:
-    return {name: getattr(hf_config, name, None) for name in _MODEL_FIELDS}
+    """The config fields that decide whether tensors belong to a model, and its RoPE (base, type
+    and scaling: a tiny-llama checkpoint is not a tiny-llama3 one)."""
+    from harness.bridge.preflight import rope_parameters
+
+    rope = {k: v for k, v in sorted(rope_parameters(hf_config).items()) if isinstance(v, (int, float, str))}
+    return {**{name: getattr(hf_config, name, None) for name in _MODEL_FIELDS}, "rope": rope}
 
 
 def _sha256(path: Path) -> str:

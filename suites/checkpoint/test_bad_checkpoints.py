@@ -96,3 +96,15 @@ def test_manifest_records_what_was_saved(saved):
     assert (manifest.layout, manifest.world_size, manifest.steps_done, manifest.consumed_samples) == ("tp2", 2, 1, 8)
     assert manifest.optimizer_format == "fully_reshardable"
     assert set(manifest.files) == {p.name for p in directory.iterdir() if p.name != MANIFEST}
+
+
+def test_the_model_fingerprint_tells_rope_scaling_and_base_apart():
+    """A checkpoint records the whole RoPE configuration: under transformers 5 a top-level
+    rope_theta is absent, so a tiny-llama checkpoint would otherwise pass as a tiny-llama3 one."""
+    from harness.checkpoint.manifest import model_fingerprint
+    from harness.models import load_hf_config
+
+    plain, scaled = (model_fingerprint(load_hf_config(m)) for m in ("tiny-llama", "tiny-llama3"))
+    assert plain["rope"]["rope_theta"] == 10000.0 and plain["rope"]["rope_type"] == "default"
+    assert scaled["rope"]["rope_type"] == "llama3" and plain != scaled
+    assert {k: v for k, v in plain.items() if k != "rope"} == {k: v for k, v in scaled.items() if k != "rope"}

@@ -1,0 +1,8 @@
+import pytest
+
+
+@pytest.fixture(scope="session")
+def hf_cache() -> dict:
+    """HF reference logprobs, computed once per (model, dtype, device, batch, TP arrangement) for the
+    session: the reference does not depend on anything else of the Megatron layout under test."""
+    return {}

@@ -1,0 +1,74 @@
+"""The catalog of wrong variants is one source of truth: every entry is implemented by its
+component, nothing is implemented that the catalog does not list, every entry says what it is,
+and `mrh repro` lists and reproduces them (exit 0 reproduced, 2 bad input)."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from harness.checkpoint.manager import IMPLEMENTED as CHECKPOINT
+from harness.parity.variants import IMPLEMENTED as PARITY
+from harness.training.policy import IMPLEMENTED as TRAINING
+from harness.variants import CATALOG, COMPONENTS, VariantError, for_components, require
+
+MRH = [shutil.which("mrh") or f"{sys.executable} -m harness.cli"][0].split()
+
+
+def _mrh(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*MRH, "repro", *args], capture_output=True, text=True, timeout=900)
+
+
+def test_each_component_implements_exactly_its_entries():
+    ids = {c: {v.id for v in for_components(c)} for c in COMPONENTS}
+    assert set(PARITY) == ids["bridge"] | ids["logprobs"]
+    assert set(TRAINING) == ids["training"]
+    assert set(CHECKPOINT) == ids["checkpoint"]
+
+
+def test_every_entry_says_what_it_is():
+    for variant in CATALOG.values():
+        assert variant.component in COMPONENTS and variant.kind in ("negative-control", "upstream-bug")
+        assert min(len(variant.description), len(variant.symptom), len(variant.caught_by)) > 20, variant.id
+        if variant.kind == "upstream-bug":
+            assert variant.upstream, f"{variant.id}: an upstream bug names its report"
+
+
+def test_a_check_takes_only_its_own_components_variants():
+    assert require("scaled-norm", check="parity").id == "scaled-norm"
+    with pytest.raises(VariantError, match="is a training variant"):
+        require("no-finalize-grads", check="parity")
+    with pytest.raises(VariantError, match="unknown variant"):
+        require("nope", check="checkpoint")
+
+
+def test_repro_lists_the_catalog():
+    done = _mrh("--list", "--json")
+    assert done.returncode == 0, done.stderr
+    listed = json.loads(done.stdout)
+    assert [row["id"] for row in listed] == list(CATALOG)
+    assert all(row["caught_by"] and row["component"] for row in listed)
+    text = _mrh("--list").stdout
+    assert "mbridge PR 14" in text and "NeMo-RL PR 1426" in text
+
+
+def test_repro_reproduces_a_bf16_norm_scale_and_its_fix_holds():
+    done = _mrh("scaled-norm", "--layout", "tp2")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "REPRODUCED" in done.stdout and "separating metric" in done.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["nope"], "unknown variant"),
+    ([], "name a catalog entry"),
+    (["swapped-tp-shards", "--layout", "pp2"], "does not apply"),
+    (["shared-adam-step", "--layout", "tp2"], "source->target"),
+    (["scaled-norm", "--layout", "tp3"], "layout 'tp3'"),
+])
+def test_repro_bad_input_is_one_clear_error_with_exit_2(args, message):
+    done = _mrh(*args)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert "running the check" not in done.stderr, "nothing may start before the input is validated"
