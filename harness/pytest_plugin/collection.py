@@ -1,8 +1,11 @@
 """What a session collects: the plugin's options and markers, the device variants it generates,
-and keeping CUDA variants out of a run whose `-m` expression does not ask for them.
+and keeping CUDA variants and nightly sweeps out of a run that does not ask for them.
 
 A plain `pytest suites` is the CPU tier, and so is `pytest suites -m "not slow"` or `-m nightly`:
 an expression that does not depend on `gpu` must not switch the CUDA variants on by accident.
+Tests marked `nightly` (long sweeps) run only when `-m` names `nightly` or `--mrh-nightly` is given:
+`pytest suites -m nightly` is the nightly sweep alone, `pytest suites --mrh-nightly` everything,
+`pytest suites -m gpu --mrh-nightly` every CUDA variant including the sweeps.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from _pytest.mark.expression import Expression
 
 DEVICES = ("cpu", "cuda")
 GPU_MARKER = "gpu"
+NIGHTLY_MARKER = "nightly"
 MARKERS = {
     "gpu": "CUDA/NCCL variant of a test (select with -m gpu); skipped when too few GPUs",
     "slow": "takes more than ~30 s on 2 CPU cores",
@@ -27,6 +31,7 @@ MARKERS = {
     "(no sp/vpp) of its full GPU count",
 }
 _SELECTS_GPU = pytest.StashKey[bool]()
+_SELECTS_NIGHTLY = pytest.StashKey[bool]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -39,6 +44,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--mrh-timeout", type=float, default=300.0,
                     help="seconds one call on the ranks may take before every rank's stack is "
                          "dumped and the world restarted (default 300)")
+    group.addoption("--mrh-nightly", action="store_true",
+                    help="also run the tests marked nightly (long sweeps; -m nightly runs them alone)")
     group.addoption("--mrh-report-dir", default=os.environ.get("MRH_REPORT_DIR", "reports/runs"),
                     help="directory for run reports: each run writes DIR/<timestamp>-<id>/ "
                          "(default reports/runs or $MRH_REPORT_DIR)")
@@ -54,7 +61,9 @@ def pytest_configure(config: pytest.Config) -> None:
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
     selected_devices(config)  # a bad --mrh-devices is a usage error before collection
-    config.stash[_SELECTS_GPU] = selects_gpu(config.getoption("markexpr") or "")
+    markexpr = config.getoption("markexpr") or ""
+    config.stash[_SELECTS_GPU] = selects_gpu(markexpr)
+    config.stash[_SELECTS_NIGHTLY] = bool(config.getoption("--mrh-nightly")) or names_nightly(markexpr)
 
 
 def selected_devices(config: pytest.Config) -> list[str]:
@@ -91,6 +100,13 @@ def selects_gpu(markexpr: str) -> bool:
                for size in range(len(others) + 1) for present in itertools.combinations(others, size))
 
 
+def names_nightly(markexpr: str) -> bool:
+    """Whether the `-m` expression asks about `nightly` at all (then pytest's own `-m` decides)."""
+    if not markexpr.strip():
+        return False
+    return NIGHTLY_MARKER in _identifiers(Expression.compile(markexpr))
+
+
 def _evaluate(expression: Expression, present: set[str], seen: set[str] | None = None) -> bool:
     """The expression's value for an item carrying exactly the markers in `present`."""
     def matcher(name: str, /, **kwargs) -> bool:
@@ -116,12 +132,15 @@ def _identifiers(expression: Expression) -> set[str]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Deselect the CUDA variants unless `-m` selects `gpu` (then pytest's own `-m` decides)."""
-    if config.stash[_SELECTS_GPU]:
+    """Deselect the CUDA variants unless `-m` selects `gpu`, and the nightly sweeps unless asked
+    for (then pytest's own `-m` decides)."""
+    off = [marker for marker, on in ((GPU_MARKER, config.stash[_SELECTS_GPU]),
+                                     (NIGHTLY_MARKER, config.stash[_SELECTS_NIGHTLY])) if not on]
+    if not off:
         return
     kept, dropped = [], []
     for item in items:
-        (dropped if item.get_closest_marker(GPU_MARKER) else kept).append(item)
+        (dropped if any(item.get_closest_marker(m) for m in off) else kept).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept

@@ -1,6 +1,7 @@
 """CUDA variants run only when the `-m` expression asks for `gpu`: a plain run, `-m "not slow"`,
 `-m nightly` or `-m upstream` stays the CPU tier; `-m gpu`, `-m "gpu and not slow"` or
-`-m "nightly and gpu"` select them (and pytest's own `-m` picks among them)."""
+`-m "nightly and gpu"` select them (and pytest's own `-m` picks among them). Nightly sweeps run
+only when `-m` names `nightly` or `--mrh-nightly` is given."""
 from __future__ import annotations
 
 import pytest
@@ -32,18 +33,22 @@ def _ids(names, device: str) -> set[str]:
     return {f"test_{name}[{device}]" for name in names}
 
 
+DAILY = ("plain", "slow", "upstream")  # what a run that does not ask for nightly keeps
 CASES = {
-    None: _ids(ALL, "cpu"),
-    "not slow": _ids(("plain", "nightly", "upstream"), "cpu"),
+    None: _ids(DAILY, "cpu"),
+    "not slow": _ids(("plain", "upstream"), "cpu"),
     "nightly": _ids(("nightly",), "cpu"),
+    "not nightly": _ids(DAILY, "cpu"),
     "upstream": _ids(("upstream",), "cpu"),
-    "not gpu": _ids(ALL, "cpu"),
-    "gpu": _ids(ALL, "cuda"),
-    "gpu and not slow": _ids(("plain", "nightly", "upstream"), "cuda"),
+    "not gpu": _ids(DAILY, "cpu"),
+    "gpu": _ids(DAILY, "cuda"),
+    "gpu and not slow": _ids(("plain", "upstream"), "cuda"),
     "nightly and gpu": _ids(("nightly",), "cuda"),
-    "(not slow) and gpu": _ids(("plain", "nightly", "upstream"), "cuda"),
-    "gpu or slow": _ids(ALL, "cuda") | _ids(("slow",), "cpu"),
+    "(not slow) and gpu": _ids(("plain", "upstream"), "cuda"),
+    "gpu or slow": _ids(DAILY, "cuda") | _ids(("slow",), "cpu"),
 }
+# --mrh-nightly adds the nightly sweeps to whatever -m keeps.
+WITH_NIGHTLY = {None: _ids(ALL, "cpu"), "gpu": _ids(ALL, "cuda"), "not slow": _ids(("plain", "nightly", "upstream"), "cpu")}
 
 
 @pytest.mark.parametrize("markexpr", list(CASES), ids=lambda e: f"m={e}")
@@ -53,6 +58,16 @@ def test_cuda_variants_only_when_the_expression_selects_gpu(pytester, markexpr):
     result = pytester.runpytest(*args, *(["-m", markexpr] if markexpr else []))
     selected = {line.split("::", 1)[1] for line in result.outlines if line.startswith("test_inner.py::")}
     assert selected == CASES[markexpr]
+
+
+@pytest.mark.parametrize("markexpr", list(WITH_NIGHTLY), ids=lambda e: f"m={e}")
+def test_mrh_nightly_adds_the_nightly_sweeps(pytester, markexpr):
+    pytester.makepyfile(test_inner=INNER)
+    args = ["--collect-only", "-q", "-p", "no:cacheprovider", "--mrh-nightly",
+            f"--mrh-report-dir={pytester.path / 'reports'}"]
+    result = pytester.runpytest(*args, *(["-m", markexpr] if markexpr else []))
+    selected = {line.split("::", 1)[1] for line in result.outlines if line.startswith("test_inner.py::")}
+    assert selected == WITH_NIGHTLY[markexpr]
 
 
 @pytest.mark.parametrize(("markexpr", "expected"), [

@@ -184,11 +184,11 @@ def test_another_machines_rounding_is_not_a_regression(baseline: dict[str, Any])
     """bf16 values move with the machine's kernels: a quarter of a row's room to its own bound is
     allowed; an fp32 value near its bound gets no such room."""
     base = copy.deepcopy(baseline)
-    find(base, "max_abs", dtype="bf16")["value"] = 0.05  # bound 0.4: room 0.35, allowed 0.0875
+    find(base, "max_abs", dtype="bf16")["value"] = 0.05  # bound 0.2: room 0.15, allowed 0.0375
     find(base, "top1_agreement", dtype="bf16")["value"] = 0.96  # bound 0.9: room 0.06
     find(base, "max_abs")["value"] = 9e-6  # fp32 bound 1e-5: room 1e-6 adds nothing; rel 0.5 decides
     other_cpu = copy.deepcopy(base)
-    find(other_cpu, "max_abs", dtype="bf16")["value"] = 0.13
+    find(other_cpu, "max_abs", dtype="bf16")["value"] = 0.085  # past rel 0.5 (0.025), within the room
     find(other_cpu, "top1_agreement", dtype="bf16")["value"] = 0.945
     find(other_cpu, "max_abs")["value"] = 9.9e-6
     result = compare_runs(base, other_cpu)
