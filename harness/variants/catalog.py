@@ -50,6 +50,8 @@ class Variant:
     default_layout: str = "tp2"
     options: tuple[tuple[str, Any], ...] = ()  # what the check needs to show it (e.g. dropout on)
     model: str = "tiny-qwen3"  # the zoo model it shows on (checkpoint checks use their own)
+    # (source layout, target layout) -> None, or why a resume between them cannot show it.
+    pair_requires: Callable[[Any, Any], str | None] | None = None
 
     def why_not(self, layout, config) -> str | None:
         return self.requires(layout, config) if self.requires else None
@@ -76,6 +78,12 @@ def _needs_llama3_rope(layout, config) -> str | None:
     if config is not None and rope_settings(config).llama3 is None:
         return "needs a model with Llama-3 RoPE scaling (rope_type 'llama3', e.g. tiny-llama3)"
     return None
+
+
+def _needs_other_model_parallelism(source, target) -> str | None:
+    same = (source.tp, source.pp, source.vpp) == (target.tp, target.pp, target.vpp)
+    return ("needs a resume at another TP/PP than the save (dp_reshardable state reshards across DP)"
+            if same else None)
 
 
 def _needs_a_cross_rank_grad_reduction(layout, config) -> str | None:
@@ -172,7 +180,8 @@ _ENTRIES: tuple[Variant, ...] = (
             "(tensors_changed_by_failed_load)",
             upstream="SkyRL PR 298 / Megatron dist-checkpointing (only fully_reshardable optimizer "
                      "state reshards across TP/PP)",
-            default_layout="tp2->pp2", options=(("optimizer_format", "dp_reshardable"),)),
+            default_layout="tp2->pp2", options=(("optimizer_format", "dp_reshardable"),),
+            pair_requires=_needs_other_model_parallelism),
 )
 
 CATALOG: dict[str, Variant] = {v.id: v for v in _ENTRIES}

@@ -175,6 +175,10 @@ def preflight(variant_id: str, layout: str | None, dtype: str, world_size_limit:
     layout = layout or variant.default_layout
     config = load_hf_config(_model(variant))
     names = _pair(layout) if variant.component == "checkpoint" else (layout,)
+    if variant.pair_requires is not None:
+        why_not = variant.pair_requires(*(parse_layout(name) for name in names))
+        if why_not:
+            raise VariantError(f"variant {variant.id!r} does not apply to {layout}: {why_not}")
     for name in names:
         try:
             parsed = parse_layout(name)

@@ -21,12 +21,14 @@ from harness.variants.repro import Runner, describe, preflight, reproduce
 
 DTYPES = ("fp32", "bf16")
 SAME = ["tp2->tp2", "pp2->pp2", "dp2->dp2"]
-# Where each component's entries run (a variant that cannot show somewhere is left out there).
+# Where each component's entries run (a variant that cannot show somewhere is left out there); a
+# machine of one GPU adds tp1, so that one GPU still shows every variant that can show there.
 WHERE = {"bridge": ["tp2", "pp2", "dp2"], "logprobs": ["tp2", "pp2", "dp2"],
          "training": ["tp2", "pp2", "dp2"]}
 CHECKPOINT_WHERE = {"shared-adam-step": [(w, DTYPES) for w in SAME] + [("tp2->pp2", ("fp32",))],
                     "rng-not-restored": [(w, DTYPES) for w in SAME],
                     "dp-reshardable": [(w, DTYPES) for w in ("tp2->pp2", "pp2->tp2", "dp2->tp2")]}
+ONE_GPU = {"bridge": "tp1", "logprobs": "tp1", "training": "tp1", "checkpoint": "tp1->tp1"}
 
 
 def _applies(variant_id: str, where: str, dtype: str) -> bool:
@@ -37,25 +39,32 @@ def _applies(variant_id: str, where: str, dtype: str) -> bool:
     return True
 
 
+def _places(variant, device: str):
+    places = (CHECKPOINT_WHERE[variant.id] if variant.component == "checkpoint"
+              else [(w, DTYPES) for w in WHERE[variant.component]])
+    return places + ([(ONE_GPU[variant.component], DTYPES)] if device == "cuda" else [])
+
+
 def _cases():
-    for variant in CATALOG.values():
-        places = (CHECKPOINT_WHERE[variant.id] if variant.component == "checkpoint"
-                  else [(w, DTYPES) for w in WHERE[variant.component]])
-        for where, dtypes in places:
-            # Training and checkpoint runs take seconds each: CI runs them where the catalog says
-            # each shows first (its default), the nightly sweep everywhere.
-            sweep = variant.component in ("training", "checkpoint") and where != variant.default_layout
-            for dtype in dtypes:
-                if _applies(variant.id, where, dtype):
-                    yield pytest.param(variant.id, where, dtype, id=f"{variant.id}-{where}-{dtype}",
-                                       marks=[pytest.mark.nightly] if sweep else [])
+    for device in ("cpu", "cuda"):
+        marks = [pytest.mark.gpu] if device == "cuda" else []
+        for variant in CATALOG.values():
+            for where, dtypes in _places(variant, device):
+                # Training and checkpoint runs take seconds each: CI runs them where the catalog
+                # says each shows first (its default), the nightly sweep everywhere.
+                sweep = variant.component in ("training", "checkpoint") and where != variant.default_layout
+                for dtype in dtypes:
+                    if _applies(variant.id, where, dtype):
+                        yield pytest.param(device, variant.id, where, dtype,
+                                           id=f"{device}-{variant.id}-{where}-{dtype}",
+                                           marks=marks + ([pytest.mark.nightly] if sweep else []))
 
 
 CASES = list(_cases())
 
 
 def test_every_entry_runs_somewhere_in_both_dtypes():
-    ran = {(p.values[0], p.values[2]) for p in CASES}
+    ran = {(p.values[1], p.values[3]) for p in CASES if p.values[0] == "cpu"}
     assert ran == {(v, d) for v in CATALOG for d in DTYPES}
 
 
@@ -72,9 +81,7 @@ def runner(policy, world_pool, device, tmp_path, hf_cache) -> Runner:
     return Runner(device, world_for, policy, tmp_path, hf_cache)
 
 
-@pytest.mark.parametrize("device", [pytest.param("cpu", id="cpu"),
-                                    pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("variant, where, dtype", CASES)
+@pytest.mark.parametrize("device, variant, where, dtype", CASES)
 def test_variant_is_caught_by_a_margin_and_the_fix_passes(runner, variant, where, dtype, report):
     repro = reproduce(variant, layout=where, dtype=dtype, runner=runner)
     report.extend(repro.rows())
