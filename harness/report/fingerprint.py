@@ -130,19 +130,20 @@ _TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no")
 def git_revision() -> dict[str, Any]:
     """{"git_commit": ..., "git_dirty": ...} of the code this process runs.
 
-    From git when the working tree has it (dirty: tracked files differ from HEAD). Without git
-    (a tree copied without .git, as on the GPU machines) from $MRH_GIT_COMMIT and the optional
-    $MRH_GIT_DIRTY (1/0; unset: None), which the caller sets where git is available (ci/git_env.sh prints
-    them). Neither: git_commit "unknown", git_dirty None. Never raises.
+    From $MRH_GIT_COMMIT and the optional $MRH_GIT_DIRTY (1/0; unset: None) when the caller set
+    them: the caller knows which commit it sent (ci/git_env.sh prints them where git is), while a
+    copied tree may carry a stale .git (the lent GPU machines' copies report the session's first
+    commit, dirty). Otherwise from git when the working tree has it (dirty: tracked files differ
+    from HEAD). Neither: git_commit "unknown", git_dirty None. Never raises.
     """
-    commit = _safe(lambda: _run(["git", "rev-parse", "HEAD"]))
-    if commit:
+    commit = os.environ.get(GIT_COMMIT_ENV, "").strip()
+    if not commit:
+        commit = _safe(lambda: _run(["git", "rev-parse", "HEAD"]))
+        if not commit:
+            return {"git_commit": UNKNOWN_COMMIT, "git_dirty": None}
         # --no-optional-locks: never take the index lock a concurrent `git commit` may need.
         status = _safe(lambda: _run(["git", "--no-optional-locks", "status", "--porcelain",
                                      "--untracked-files=no"]))
         return {"git_commit": commit, "git_dirty": None if status is None else bool(status)}
-    commit = os.environ.get(GIT_COMMIT_ENV, "").strip()
-    if not commit:
-        return {"git_commit": UNKNOWN_COMMIT, "git_dirty": None}
     dirty = os.environ.get(GIT_DIRTY_ENV, "").strip().lower()
     return {"git_commit": commit, "git_dirty": True if dirty in _TRUE else False if dirty in _FALSE else None}

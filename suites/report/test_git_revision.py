@@ -1,6 +1,7 @@
 """The commit of a run, in its fingerprint (results.json meta) and in a GPU report (JSON + Markdown):
-from git where the tree has it; on a machine that got the tree without .git, from $MRH_GIT_COMMIT
-(and $MRH_GIT_DIRTY); "unknown" only when neither has it."""
+from $MRH_GIT_COMMIT (and $MRH_GIT_DIRTY) when the caller sets them, since a copied tree may carry
+a stale .git (the lent GPU machines' copies did: they reported the session's first commit);
+otherwise from git; "unknown" only when neither has it."""
 from __future__ import annotations
 
 import importlib.util
@@ -54,18 +55,22 @@ def test_without_git_the_variables_give_the_commit(no_git, monkeypatch, dirty, e
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
-def test_git_wins_over_the_variable_and_sees_a_dirty_tree(tmp_path, monkeypatch):
+def test_the_variable_wins_over_a_stale_git_and_git_sees_a_dirty_tree(tmp_path, monkeypatch):
     monkeypatch.delenv("GIT_DIR", raising=False)
+    for name in ("MRH_GIT_COMMIT", "MRH_GIT_DIRTY"):
+        monkeypatch.delenv(name, raising=False)
     _git("init", "-q", cwd=tmp_path)
     (tmp_path / "f.txt").write_text("a")
     _git("add", "f.txt", cwd=tmp_path)
     _git("commit", "-q", "-m", "one", cwd=tmp_path)
     head = _git("rev-parse", "HEAD", cwd=tmp_path)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("MRH_GIT_COMMIT", SHA)
     assert git_revision() == {"git_commit": head, "git_dirty": False}
     (tmp_path / "f.txt").write_text("b")
     assert git_revision() == {"git_commit": head, "git_dirty": True}
+    monkeypatch.setenv("MRH_GIT_COMMIT", SHA)
+    monkeypatch.setenv("MRH_GIT_DIRTY", "0")
+    assert git_revision() == {"git_commit": SHA, "git_dirty": False}
 
 
 def test_the_summary_shows_the_commit_and_whether_the_tree_was_dirty():
