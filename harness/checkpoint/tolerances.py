@@ -7,28 +7,28 @@ that cannot restore the checkpoint must change nothing.
 """
 from __future__ import annotations
 
+from harness.evidence import CPU_BASELINE, H100_TP1, cite
 from harness.tolerance import Evidence, Tolerance, ToleranceTable
 from harness.training.tolerances import training_tolerance
-
-CPU_BASELINE = "reports/baselines/cpu/results.json"
 _EXACT = "exact: the same arithmetic on the same restored state"
 
 
-def _evidence(metric: str, dtype: str, figure: float, regime: str) -> tuple[Evidence, ...]:
-    where = (("suite", "checkpoint"), ("metric", metric), ("dtype", dtype), ("extra.variant", None),
-             ("extra.regime", regime))
-    return (Evidence(CPU_BASELINE, figure, where, note="CPU/gloo baseline, checkpoint suite"),)
+def _evidence(metric: str, dtype: str, regime: str, figures: dict[str, float]) -> tuple[Evidence, ...]:
+    """The resumed steps of the fixed path (no variant): the checkpoint suite's and, beside each
+    variant's run, suites/sensitivity's."""
+    return cite((("metric", metric), ("dtype", dtype), ("extra.variant", None), ("extra.regime", regime)),
+                figures)
 
 
 _TABLE = tuple(
     Tolerance(metric, dtype, 0.0, regime="same-layout", rationale=_EXACT,
-              evidence=_evidence(metric, dtype, 0.0, "same-layout"))
+              evidence=_evidence(metric, dtype, "same-layout", {CPU_BASELINE: 0.0, H100_TP1: 0.0}))
     for dtype in ("fp32", "bf16")
     for metric in ("loss_rel_diff", "grad_norm_rel_diff", "param_max_abs_diff")
 ) + tuple(
     Tolerance("tensors_changed_by_failed_load", dtype, 0.0, regime="any",
               rationale="a load the harness cannot complete is refused before any rank changes state",
-              evidence=_evidence("tensors_changed_by_failed_load", dtype, 0.0, "other-layout"))
+              evidence=_evidence("tensors_changed_by_failed_load", dtype, "other-layout", {CPU_BASELINE: 0.0}))
     for dtype in ("fp32", "bf16")
 )
 

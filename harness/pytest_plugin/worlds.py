@@ -49,7 +49,7 @@ def _requested_world_size(request: pytest.FixtureRequest) -> int:
     )
 
 
-def _skip_unless_fits(config: pytest.Config, size: int, device: str) -> None:
+def skip_unless_fits(config: pytest.Config, size: int, device: str) -> None:
     """Skip the test (with the reason) when a world of `size` ranks does not fit on `device`.
     Shared by every fixture that starts or borrows a world (here and in `workers`)."""
     limit = _max_world_size(config, device)
@@ -62,7 +62,7 @@ def _skip_unless_fits(config: pytest.Config, size: int, device: str) -> None:
 def world(request: pytest.FixtureRequest, world_pool: WorldPool, device: str) -> World:
     """The persistent world for this test's size and device (started on first use)."""
     size = _requested_world_size(request)
-    _skip_unless_fits(request.config, size, device)
+    skip_unless_fits(request.config, size, device)
     return world_pool.get(size, device)
 
 
@@ -73,7 +73,7 @@ def fresh_world(request: pytest.FixtureRequest, device: str):
     made: list[World] = []
 
     def make(size: int, **kwargs) -> World:
-        _skip_unless_fits(request.config, size, device)
+        skip_unless_fits(request.config, size, device)
         made.append(World(size, device, timeout=request.config.getoption("--mrh-timeout"), **kwargs))
         return made[-1]
 

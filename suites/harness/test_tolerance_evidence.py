@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from harness.checkpoint.tolerances import TABLE as RESUME
 from harness.parity.tolerances import TABLE as PARITY
 from harness.training.tolerances import TABLE as TRAINING
 
-TABLES = (PARITY, TRAINING)
+TABLES = (PARITY, TRAINING, RESUME)
 ENTRIES = [(table, entry) for table in TABLES for entry in table.entries]
 
 
@@ -57,3 +58,19 @@ def test_evidence_statistics_follow_the_bound_direction():
     for _, entry in ENTRIES:
         for evidence in entry.evidence:
             assert evidence.statistic == entry.kind, f"{entry.metric}/{entry.dtype}: {evidence}"
+
+
+def test_a_stale_citation_and_a_broken_bound_are_caught():
+    """The negative control of this check: a report whose figure moved, or broke the bound."""
+    from harness.tolerance import Evidence, Tolerance
+
+    rows = [{"suite": "parity", "metric": "max_abs", "dtype": "fp32", "value": v, "extra": {"variant": var}}
+            for v, var in ((3.1e-6, None), (1e-6, None), (0.5, "scaled-norm"))]
+    where = (("metric", "max_abs"), ("extra.variant", None))
+    measured = Evidence("r.json", 3.1e-6, where).measure(rows)
+    assert measured == 3.1e-6  # the variant's row is not evidence for a correct model's bound
+    assert Evidence("r.json", 3.1e-6, where).matches(measured)
+    assert not Evidence("r.json", 2.9e-6, where).matches(measured)  # stale: cites 2.9e-6
+    assert not Tolerance("max_abs", "fp32", 3e-6).passes(measured)  # the bound no longer holds
+    with pytest.raises(ValueError, match="no row"):
+        Evidence("r.json", 1.0, (("metric", "mean_abs"),)).measure(rows)

@@ -14,6 +14,7 @@ import pytest
 from harness.models import load_hf_config, resolve_model
 from harness.parallel.layout import parse_layout, resolve
 from harness.parity.runner import ParityCase, run_parity
+from harness.pytest_plugin.worlds import skip_unless_fits
 from harness.tolerance import SENSITIVITY_MARGIN
 from harness.variants import for_components, get
 
@@ -40,10 +41,12 @@ def _run(world, layout, variant, dtype, hf_cache, report, **case):
     return result
 
 
-@pytest.mark.layouts(cpu=["tp2"], cuda=["tp2"])
 @pytest.mark.parametrize("variant", [v for v in PARITY_VARIANTS if v not in FINE])
-def test_coarse_variants_fail_even_in_the_approximate_regime(world, device, layout, variant, hf_cache,
-                                                             report):
+def test_coarse_variants_fail_even_in_the_approximate_regime(world_pool, device, variant, hf_cache, report,
+                                                             pytestconfig):
+    layout = get(variant).default_layout  # where the catalog says it shows (tp2, or pp2 for PP-only ones)
+    skip_unless_fits(pytestconfig, parse_layout(layout).world_size, device)
+    world = world_pool.get(parse_layout(layout).world_size, device)
     result = _run(world, layout, variant, "bf16", hf_cache, report, **APPROXIMATE)
     assert result.regime == "approximate"
     assert result.separation >= SENSITIVITY_MARGIN, result.summary()

@@ -1,0 +1,30 @@
+"""The committed runs the tolerance tables cite as evidence (harness.tolerance.Evidence).
+
+One place names them, so a table entry says only which figure of which run it rests on. Refresh
+the CPU baseline (`make test && make baseline`) or add a GPU run, then update the cited figures:
+suites/harness/test_tolerance_evidence.py fails until they match the committed files.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from harness.tolerance import Evidence
+
+CPU_BASELINE = "reports/baselines/cpu/results.json"
+H100_TP1 = "reports/gpu/2026-11-23-h100-tp1/run/results.json"
+
+NOTES = {
+    CPU_BASELINE: "CPU/gloo baseline (make test)",
+    H100_TP1: "1x H100, NCCL, tp1 (issue 11 run; 2-GPU kinds were not lent)",
+}
+
+
+def cite(where: tuple[tuple[str, Any], ...], figures: dict[str, float], statistic: str = "max",
+         digits: int = 2) -> tuple[Evidence, ...]:
+    """One Evidence per report in `figures` (report -> the figure cited from it, to `digits`
+    significant digits)."""
+    unknown = set(figures) - set(NOTES)
+    if unknown:
+        raise ValueError(f"not a known evidence report: {sorted(unknown)} (add it to harness.evidence)")
+    return tuple(Evidence(report, figure, where, statistic, digits, note=NOTES[report])
+                 for report, figure in figures.items())
