@@ -250,6 +250,9 @@ def test_rules_room_and_gating() -> None:
     assert rule_for("top1_agreement").room(0.96, 0.9) == pytest.approx(0.06)
     assert rule_for("num_layers").room(4.0, 1.0) == 0.0  # "equal" metrics have no room
     assert not rule_for("save_s").gating and not rule_for("weight_sync_blocking_s").gating
-    assert all(r.gating for r in RULES if not r.metric_pattern.endswith("_s") and "blocking_s" not in r.metric_pattern)
+    # A negative control's margin gates in its own test (>= 3), never in compare.
+    assert not rule_for("separation").gating and rule_for("separation").direction == "higher_is_better"
+    assert all(r.gating for r in RULES if not r.metric_pattern.endswith("_s") and "blocking_s" not in r.metric_pattern
+               and r.metric_pattern != "separation")
     assert rule_for("next_loss_rel_diff").metric_pattern == "*_rel_diff"
     assert rule_for("next_param_max_abs_diff").metric_pattern == "*max_abs_diff"
