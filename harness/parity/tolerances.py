@@ -19,11 +19,9 @@ from __future__ import annotations
 from harness.evidence import CPU_BASELINE, H100_TP1, cite
 from harness.tolerance import CheckResult, Evidence, Tolerance, ToleranceTable, dtype_key
 
-__all__ = ["CheckResult", "Evidence", "REGIMES", "TABLE", "Tolerance", "all_tolerances", "check",
+__all__ = ["CheckResult", "Evidence", "TABLE", "Tolerance", "all_tolerances", "check",
            "dtype_key", "regime", "table_markdown", "tolerance"]
 
-REGIMES = ("exact", "approximate")
-METRICS = ("max_abs", "mean_abs", "token_mult_prob_error", "kl_k3", "top1_agreement")
 
 def _evidence(metric: str, dtype: str, regime: str, figures: dict[str, float],
               statistic: str = "max", digits: int = 2) -> tuple[Evidence, ...]:
