@@ -16,6 +16,19 @@ def _parser() -> argparse.ArgumentParser:
     world.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     world.add_argument("--repeats", type=int, default=3, help="fresh launches to time (default 3)")
     world.set_defaults(handler="harness.bench.world:main")
+    ckpt_bench = benches.add_parser("ckpt", help="sync save vs async blocking vs async total time, one JSON line "
+                                                 "(exit 2 bad input)")
+    ckpt_bench.add_argument("--model", default="tiny-qwen3-kv4",
+                            help="zoo name or local HF checkpoint dir (default tiny-qwen3-kv4)")
+    ckpt_bench.add_argument("--layout", default=None, help="default dp2 on cpu; cuda: dp2 with 2+ GPUs, else tp1")
+    ckpt_bench.add_argument("--device", default=None, help="cpu or cuda (default cuda if available, else cpu)")
+    ckpt_bench.add_argument("--dtype", default="fp32", help="fp32 or bf16 (default fp32)")
+    ckpt_bench.add_argument("--saves", type=int, default=3, help="timed saves of each kind (default 3)")
+    ckpt_bench.add_argument("--caller", default="temporal",
+                            help="megatron-core async caller: temporal, persistent or both (persistent: cuda only)")
+    ckpt_bench.add_argument("--dir", default=None, help="checkpoint root (default: a temp dir)")
+    ckpt_bench.add_argument("--keep-dir", action="store_true", help="leave the checkpoints on disk")
+    ckpt_bench.set_defaults(handler="harness.bench.ckpt:main")
 
     from harness.parity.cli import add_arguments as parity_arguments
 

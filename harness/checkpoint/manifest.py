@@ -38,8 +38,11 @@ class Manifest:
     consumed_samples: int
     megatron_core: str
     files: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> size, sha256
-    save_s: float = 0.0
+    save_s: float = 0.0  # from the save call to the checkpoint's commit
     created: str = ""
+    iteration: int | None = None  # in a checkpoint root (harness.checkpoint.root)
+    async_save: bool = False
+    blocking_s: float | None = None  # an async save: how long training waited for it
     format: str = FORMAT
 
     def to_json(self) -> str:
@@ -74,10 +77,13 @@ def file_table(directory: Path) -> dict[str, dict[str, Any]]:
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:
+    """Atomically and durably (the fault point `manifest-write` is half-way into its temp file)."""
+    from harness.checkpoint.durable import atomic_write_text
+    from harness.checkpoint.faults import fault
+
     manifest.created = manifest.created or datetime.now(timezone.utc).isoformat(timespec="seconds")
-    tmp = directory / (MANIFEST + ".tmp")
-    tmp.write_text(manifest.to_json())
-    os.replace(tmp, directory / MANIFEST)
+    atomic_write_text(directory / MANIFEST, manifest.to_json(),
+                      midway=lambda: fault("manifest-write", manifest.iteration))
 
 
 def read_manifest(directory: str | os.PathLike) -> Manifest:

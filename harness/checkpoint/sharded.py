@@ -38,18 +38,22 @@ def _group():
     return ps.get_data_parallel_group(with_context_parallel=True)
 
 
-def save_sharded(state: dict[str, Any], directory: str, optimizer_format: str, fully_parallel: bool) -> None:
-    """Write this rank's part of `state` (every rank at once); fully_parallel spreads the writing
-    of replicated shards over the data-parallel ranks."""
-    from megatron.core import dist_checkpointing
+def save_strategy(fully_parallel: bool):
+    """torch_dist; fully_parallel spreads the writing of replicated shards over the data-parallel ranks."""
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
     strategy = get_default_save_sharded_strategy("torch_dist")
-    if fully_parallel:
-        strategy = FullyParallelSaveStrategyWrapper(strategy, _group())
-    dist_checkpointing.save(state, directory, sharded_strategy=strategy,
-                            content_metadata={"distrib_optim_sharding_type": optimizer_format})
+    return FullyParallelSaveStrategyWrapper(strategy, _group()) if fully_parallel else strategy
+
+
+def save_sharded(saver, state: dict[str, Any], directory: str, optimizer_format: str, fully_parallel: bool,
+                 *, async_save: bool = False, iteration: int | None = None, allow_overlap: bool = False) -> None:
+    """Write this rank's part of `state` (every rank at once) through `saver`
+    (harness.checkpoint.async_save.RankSaver): inline, or scheduled with async_save."""
+    saver.save(state, directory, strategy=save_strategy(fully_parallel),
+               content_metadata={"distrib_optim_sharding_type": optimizer_format}, async_save=async_save,
+               iteration=iteration, allow_overlap=allow_overlap)
 
 
 def load_sharded(template: dict[str, Any], directory: str, fully_parallel: bool) -> dict[str, Any]:

@@ -41,3 +41,25 @@ def resume_tolerance(metric: str, dtype, *, same_layout: bool) -> Tolerance:
     if metric == "tensors_changed_by_failed_load":
         return TABLE.get(metric, dtype)
     return TABLE.get(metric, dtype, "same-layout") if same_layout else training_tolerance(metric, dtype)
+
+
+# Crash safety (harness.checkpoint.crash): counts of invariant violations after a crash, and the
+# resumed step, which is a same-layout resume (the table above).
+_INVARIANTS = {
+    "tracker_names_incomplete": "the tracker is written only after the checkpoint it names is complete",
+    "finalized_not_tracked": "a save reported finalized is named by the tracker (or a newer one is)",
+    "finalized_but_none_complete": "nothing complete is deleted before a newer one is complete and tracked",
+    "resumed_not_newest": "a resume takes the newest complete checkpoint",
+    "orphan_processes": "a killed job leaves no process behind",
+    "checkpoints_unloadable": "a finalized checkpoint loads the weights it was saved from",
+}
+CRASH_TABLE = ToleranceTable("crash-safety", tuple(
+    Tolerance(metric, "fp32", 0.0, rationale=f"invariant, a count of violations: {why}")
+    for metric, why in _INVARIANTS.items()))
+
+
+def crash_tolerance(metric: str) -> Tolerance:
+    """The bound of a crash-safety check: 0 violations, or the same-layout resume bound."""
+    if metric in _INVARIANTS:
+        return CRASH_TABLE.get(metric, "fp32")
+    return TABLE.get(metric, "fp32", "same-layout")

@@ -27,6 +27,8 @@ still there), then add the version to `verified_on`.
 """
 from __future__ import annotations
 
+import functools
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -145,3 +147,68 @@ def load_optimizer_state_dict(optimizer, state_dict: dict, *, unshare_steps: boo
             del dist_opt.load_parameter_state_from_fully_reshardable  # back to the class method
     if unshare_steps:
         _unshare_steps(optimizer)
+
+
+# ---------------------------------------------------------------------------------------------
+# Instrumentation, not a workaround: the fault point inside megatron-core's forked checkpoint
+# writers (harness.checkpoint.faults, point "shard-writes"). `FileSystemWriterAsync
+# .write_preloaded_data` (0.16.1) writes each item through the module-level `_write_item`; the
+# wrapper fires the point after the first item a writer process writes. Gated like the
+# workarounds: on another version the writer may not call `_write_item` and the point would
+# silently never fire.
+WRITE_FAULT_HOOK = Workaround(
+    "write-fault-hook", "(instrumentation) forked checkpoint writers write each item through "
+    "filesystem_async._write_item", ("0.16.1",))
+_write_iteration: list = [None]  # the save the next forked writers belong to
+
+
+def instrument_writes(iteration: int | None) -> None:
+    """Let the next save's writer processes reach the `shard-writes` fault point (no-op without a
+    fault plan; the forked writers inherit `iteration`)."""
+    from harness.checkpoint.faults import active_plan
+
+    _write_iteration[0] = iteration
+    if active_plan() is None:
+        return
+    require(WRITE_FAULT_HOOK)
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async._write_item, "mrh_instrumented", False):
+        return
+    original = filesystem_async._write_item
+    fired: dict[int, bool] = {}
+
+    @functools.wraps(original)  # megatron-core inspects its signature (serialization_format)
+    def write_item(*args, **kwargs):
+        result = original(*args, **kwargs)
+        if not fired.get(os.getpid()):
+            fired[os.getpid()] = True
+            from harness.checkpoint.faults import fault
+
+            fault("shard-writes", _write_iteration[0])
+        return result
+
+    write_item.mrh_instrumented = True
+    filesystem_async._write_item = write_item
+
+
+# A performance workaround: megatron-core 0.16.1 creates its write-results queue on a *spawned*
+# Manager server (filesystem_async._get_write_results_queue), which imports torch when the first
+# WriteResult reaches it: the first save of every rank process blocks ~3 s on 2 CPU cores (measured
+# with cProfile in `Queue.put`). Megatron-Core 0.19 warms the same queue with a forked Manager
+# (`get_write_results_queue(mp_mode="fork")`); so do we, before the first save of a rank.
+FORK_RESULTS_QUEUE = Workaround(
+    "fork-results-queue", "the write-results queue's spawned Manager imports torch on the first "
+    "save (~3 s)", ("0.16.1",))
+
+
+def fork_results_queue() -> None:
+    """Create megatron-core's process-wide write-results queue on a forked Manager (once)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is not None:
+        return
+    require(FORK_RESULTS_QUEUE)
+    import multiprocessing as mp
+
+    filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()

@@ -34,6 +34,10 @@ from harness.report import buffer as report_buffer
 from harness.launch.rank import STACK_SIGNAL, RankSpec, _read_from, rank_main
 
 DEVICES = ("cpu", "cuda")
+# spawn: each rank imports everything afresh (safe anywhere). fork: ranks start in a fraction of a
+# second from a parent that has imported torch and megatron-core but run nothing (CPU only); the
+# crash-injection driver (harness.checkpoint.crash) starts a world per trial this way.
+START_METHODS = ("spawn", "fork")
 _live_worlds: "weakref.WeakSet[World]" = weakref.WeakSet()  # killed at exit: no orphan ranks
 _LOG_TAIL_LINES = 30
 
@@ -56,14 +60,20 @@ class World:
         failure_grace: float = 5.0,
         env: dict[str, str] | None = None,
         echo_output: bool = True,
+        start_method: str = "spawn",
     ):
         if size < 1:
             raise ValueError(f"world size must be >= 1, got {size}")
         if device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+        if start_method not in START_METHODS:
+            raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
+        if device == "cuda" and start_method == "fork":
+            raise ValueError("a cuda world cannot fork its ranks (CUDA does not survive a fork); use spawn")
         if device == "cuda":
             _require_gpus(size)
         self.size = size
+        self.start_method = start_method
         self.device = device
         self.timeout = timeout
         self.start_timeout = start_timeout
@@ -115,7 +125,7 @@ class World:
             "127.0.0.1", 0, self.size, is_master=True, wait_for_workers=False,
             timeout=timedelta(seconds=self.start_timeout),
         )
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context(self.start_method)
         for rank in range(self.size):
             parent_conn, child_conn = ctx.Pipe()
             spec = RankSpec(

@@ -63,7 +63,11 @@ def _apply(layout: Layout, key: str, fn: Callable[..., Any], args, kwargs) -> An
 
 
 def _drop(layout: Layout, key: str) -> None:
-    if _WORKERS.pop(key, None) is not None and torch.cuda.is_available():
+    worker = _WORKERS.pop(key, None)
+    saver = getattr(worker, "saver", None)
+    if saver is not None and saver.pending():  # a save never finalized: no writer outlives its worker
+        saver.abort()
+    if worker is not None and torch.cuda.is_available():
         torch.cuda.empty_cache()  # hand the freed model and optimizer memory back
 
 

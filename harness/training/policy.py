@@ -79,7 +79,10 @@ class PolicyWorker:
 
     def __init__(self, path, config: PolicyConfig | None = None, *, sequence_parallel: bool = False,
                  seed: int = DEFAULT_SEED, **overrides: Any) -> None:
+        from harness.checkpoint.async_save import RankSaver
+
         self.rng = RNGStreams.seeded(seed)
+        self.saver = RankSaver()  # this worker's checkpoint writes (one async save in flight)
         with self.rng.active():  # building draws from the streams (e.g. initializers)
             self._build(path, config, sequence_parallel, overrides)
 
@@ -326,12 +329,30 @@ class PolicyWorker:
         return state
 
     def save_checkpoint(self, directory: str, *, optimizer_format: str = "fully_reshardable",
-                        fully_parallel: bool = True) -> dict[str, int]:
+                        fully_parallel: bool = True, async_save: bool = False, iteration: int | None = None,
+                        allow_overlap: bool = False) -> dict[str, int]:
         """Write this rank's part of the policy into `directory` (every rank at once); returns the
-        data position saved. The directory's atomicity and manifest are the parent's
-        (harness.checkpoint.manager)."""
-        save_sharded(self.sharded_state_dict(optimizer_format), directory, optimizer_format, fully_parallel)
+        data position saved. With async_save the write continues in a forked writer after this
+        returns, from a snapshot of the state now; `finalize_checkpoints` completes it. The
+        directory's atomicity, manifest and tracker are the parent's (harness.checkpoint)."""
+        save_sharded(self.saver, self.sharded_state_dict(optimizer_format), directory, optimizer_format,
+                     fully_parallel, async_save=async_save, iteration=iteration, allow_overlap=allow_overlap)
         return self.position()
+
+    def finalize_checkpoints(self, blocking: bool = False) -> dict[str, Any]:
+        """Complete the async saves whose writes are done on every rank (collective);
+        harness.checkpoint.async_save.RankSaver.finalize."""
+        return self.saver.finalize(blocking)
+
+    def abort_checkpoints(self) -> list[int]:
+        """Kill this rank's in-flight checkpoint writers; returns their pids."""
+        return self.saver.abort()
+
+    def checkpoint_writers(self) -> list[int]:
+        """Live checkpoint writer processes of this rank (none once every save is finalized)."""
+        from harness.checkpoint.async_save import writer_processes
+
+        return writer_processes()
 
     def load_checkpoint(self, directory: str, *, optimizer_format: str = "fully_reshardable",
                         fully_parallel: bool = True, load_rng: bool = False,

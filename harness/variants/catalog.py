@@ -14,20 +14,23 @@ Components:
   logprobs    how a batch is fed to Megatron (harness.parity.variants)
   training    the policy worker's step (harness.training.policy)
   checkpoint  save/resume (harness.checkpoint)
+  rotation    a checkpoint root: async save, tracker, rotation, resume choice
+              (harness.checkpoint.checkpointer; caught by crash injection, harness.checkpoint.crash)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
-Component = Literal["bridge", "logprobs", "training", "checkpoint"]
+Component = Literal["bridge", "logprobs", "training", "checkpoint", "rotation"]
 Kind = Literal["negative-control", "upstream-bug"]
-COMPONENTS: tuple[str, ...] = ("bridge", "logprobs", "training", "checkpoint")
+COMPONENTS: tuple[str, ...] = ("bridge", "logprobs", "training", "checkpoint", "rotation")
 # Which components each check runs (the parity check covers the weights and the feeding).
 CHECKS: dict[str, tuple[str, ...]] = {
     "parity": ("bridge", "logprobs"),
     "training": ("training",),
     "checkpoint": ("checkpoint",),
+    "crash-safety": ("rotation",),
 }
 
 
@@ -84,6 +87,11 @@ def _needs_other_model_parallelism(source, target) -> str | None:
     same = (source.tp, source.pp, source.vpp) == (target.tp, target.pp, target.vpp)
     return ("needs a resume at another TP/PP than the save (dp_reshardable state reshards across DP)"
             if same else None)
+
+
+def _needs_dp(layout, config) -> str | None:
+    return None if layout.dp > 1 else ("needs data parallelism (dp >= 2): only then do fully parallel and "
+                                       "serial saves write different plans")
 
 
 def _needs_a_cross_rank_grad_reduction(layout, config) -> str | None:
@@ -183,6 +191,67 @@ _ENTRIES: tuple[Variant, ...] = (
             default_layout="tp2->pp2", options=(("optimizer_format", "dp_reshardable"),),
             pair_requires=_needs_other_model_parallelism),
 )
+
+# Rotation variants run as a crash trial (harness.checkpoint.crash): `options` say which job and
+# where it dies: async_save, keep, and the fault point (of the save of iteration 3).
+_ROTATION: tuple[Variant, ...] = (
+    Variant("tracker-at-schedule", "rotation", "upstream-bug",
+            "the tracker names a checkpoint when its save is scheduled, before the write completes",
+            "a crash during the write leaves a tracker naming a directory that does not exist; "
+            "a tracker-only resume fails or restarts from scratch",
+            "crash during the shard writes: tracker_names_incomplete",
+            upstream="verl PR 4638 (the trainer wrote latest_checkpointed_iteration.txt at schedule time)",
+            default_layout="dp2", options=(("async_save", True), ("keep", 2), ("crash", "shard-writes"))),
+    Variant("delete-before-finalize", "rotation", "upstream-bug",
+            "old checkpoints are pruned right after the new save is scheduled, counting the "
+            "in-flight one as kept",
+            "with keep=1 a crash before the new save finalizes leaves no checkpoint at all",
+            "crash during the shard writes at keep=1: finalized_but_none_complete",
+            upstream="SkyRL trainer (tracker + cleanup_old_checkpoints while the async write is "
+                     "pending; SkyRL PR 2145), verl issue 4667",
+            default_layout="dp2", options=(("async_save", True), ("keep", 1), ("crash", "shard-writes"))),
+    Variant("keep1-deletes-first", "rotation", "upstream-bug",
+            "the pre-save prune keeps keep-1 checkpoints, so keep=1 deletes the only one before "
+            "the new one is written",
+            "a crash during a save at keep=1 leaves no checkpoint (sync saves too)",
+            "crash during the shard writes at keep=1, sync: finalized_but_none_complete",
+            upstream="verl PR 4873 (max_ckpt_to_keep=1 deleted the only checkpoint first)",
+            default_layout="dp2", options=(("async_save", False), ("keep", 1), ("crash", "shard-writes"))),
+    Variant("async-tracker-never-written", "rotation", "upstream-bug",
+            "the async save path never writes the tracker",
+            "a tracker-driven resume silently restarts from step 0",
+            "any finalized async save: finalized_not_tracked",
+            upstream="verl issue 7952 / PR 7955 (async_save never wrote the tracker)",
+            default_layout="dp2", options=(("async_save", True), ("keep", 2), ("crash", "before-rotation"))),
+    Variant("tracker-in-place", "rotation", "upstream-bug",
+            "the tracker is rewritten in place (open('w'), write) instead of temp + fsync + rename",
+            "a crash mid-write leaves an empty tracker (Megatron-LM exits, verl/SkyRL raise ValueError)",
+            "crash between the tracker's truncation and its write: tracker_names_incomplete "
+            "(unreadable); the fsync-order spy sees no rename",
+            upstream="Megatron-LM checkpointing.py (core_v0.16.1) iter_finalize_fn, verl, SkyRL: "
+                     "plain open(tracker, 'w')",
+            default_layout="dp2", options=(("async_save", True), ("keep", 2), ("crash", "tracker-rename"))),
+    Variant("overlapping-async-saves", "rotation", "upstream-bug",
+            "a second async save is scheduled before the first finalized (megatron-core 0.16.1 "
+            "takes write results from one process-wide queue in completion order)",
+            "each finalize takes the other save's write results: with the dp2 plans here both "
+            "saves, fully written, fail at finalize ('Incomplete worker results') and are lost; "
+            "plans with equal bucket counts would finalize with the other's file offsets",
+            "two saves in flight with different write plans, then each loaded: "
+            "checkpoints_unloadable (harness.checkpoint.overlap)",
+            upstream="megatron-core 0.16.1 filesystem_async._get_write_results_queue (shared by "
+                     "every temporal save); Megatron-LM checkpointing.py only warns",
+            requires=_needs_dp, default_layout="dp2",
+            options=(("async_save", True), ("keep", 2), ("crash", None))),
+    Variant("resume-trusts-tracker", "rotation", "upstream-bug",
+            "resume loads what the tracker names without looking at the directory",
+            "after a crash between a commit and the tracker update, the resume takes an older "
+            "checkpoint than the newest complete one (or a damaged one)",
+            "crash before the tracker's rename: resumed_not_newest",
+            upstream="Megatron-LM read_metadata / verl find_latest_ckpt_path (tracker only)",
+            default_layout="dp2", options=(("async_save", True), ("keep", 2), ("crash", "tracker-rename"))),
+)
+_ENTRIES = _ENTRIES + _ROTATION
 
 CATALOG: dict[str, Variant] = {v.id: v for v in _ENTRIES}
 

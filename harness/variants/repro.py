@@ -36,6 +36,7 @@ class Runner:
     make_policy: Callable[..., Any]
     workdir: Path
     hf_cache: dict = field(default_factory=dict)
+    cache: dict = field(default_factory=dict)  # what a check makes once per run (e.g. a reference)
 
     @classmethod
     def from_pool(cls, pool, device: str, workdir: Path) -> "Runner":
@@ -150,8 +151,38 @@ def _checkpoint(variant: Variant, layout: str, dtype: str, runner: Runner) -> tu
     return run(variant.id), run(None)
 
 
+def _crash_safety(variant: Variant, layout: str, dtype: str, runner: Runner) -> tuple[Run, Run]:
+    """A crash trial of the variant's job (harness.checkpoint.crash) killed at its fault point,
+    beside the same trial on the fixed path; overlapping-async-saves has a check of its own."""
+    import uuid
+
+    from harness.checkpoint.crash import CrashConfig, cached_trial
+    from harness.checkpoint.resume_check import MODEL
+
+    options = dict(variant.options)
+    if options["crash"] is None:
+        from harness.checkpoint.overlap import overlapping_saves
+
+        def overlap(variant_id):
+            result = overlapping_saves(runner.make_policy, layout, runner.workdir / f"overlap-{uuid.uuid4().hex[:8]}",
+                                       dtype=dtype, variant=variant_id)
+            return Run(result.passed, result.checks, result.summary(), result.rows())
+
+        return overlap(variant.id), overlap(None)
+    config = CrashConfig(options["async_save"], options["keep"], layout=layout, device=runner.device, dtype=dtype)
+    resident = runner.make_policy(layout, MODEL, **config.policy_config)  # both resumes run on it
+
+    def run(variant_id):
+        verdict = cached_trial(runner.cache, dataclasses.replace(config, variant=variant_id), runner.workdir,
+                               runner.make_policy, resident=resident, point=options["crash"])
+        return Run(verdict.passed, verdict.checks, verdict.summary(), verdict.rows(point=options["crash"]))
+
+    return run(variant.id), run(None)
+
+
 _CHECKS: dict[str, Callable[[Variant, str, str, Runner], tuple[Run, Run]]] = {
     "bridge": _parity, "logprobs": _parity, "training": _training, "checkpoint": _checkpoint,
+    "rotation": _crash_safety,
 }
 
 

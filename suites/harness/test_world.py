@@ -151,6 +151,28 @@ def test_close_leaves_no_rank_or_grandchild_process(fresh_world):
     assert _survivors(ranks + grandchildren) == [], "processes survived World.close()"
 
 
+def test_a_forked_world_serves_calls_and_closes_without_survivors():
+    """start_method="fork" (the crash trials' worlds): the same calls, the same teardown."""
+    world = World(2, "cpu", start_method="fork").start()
+    try:
+        assert world.run(_rank_and_size) == [(0, 2), (1, 2)]
+        grandchildren = world.run(_start_grandchild)
+        ranks = world.pids
+    finally:
+        world.close()
+    assert _survivors(ranks + grandchildren) == []
+    with pytest.raises(ValueError, match="cannot fork its ranks"):
+        World(1, "cuda", start_method="fork")
+    with pytest.raises(ValueError, match="start_method must be one of"):
+        World(1, "cpu", start_method="forkserver")
+
+
+def _rank_and_size():
+    import torch.distributed as dist
+
+    return dist.get_rank(), dist.get_world_size()
+
+
 def test_cuda_world_without_enough_gpus_is_one_clear_error():
     import torch
 

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from harness.checkpoint.checkpointer import IMPLEMENTED as ROTATION
 from harness.checkpoint.manager import IMPLEMENTED as CHECKPOINT
 from harness.parity.variants import IMPLEMENTED as PARITY
 from harness.training.policy import IMPLEMENTED as TRAINING
@@ -27,6 +28,7 @@ def test_each_component_implements_exactly_its_entries():
     assert set(PARITY) == ids["bridge"] | ids["logprobs"]
     assert set(TRAINING) == ids["training"]
     assert set(CHECKPOINT) == ids["checkpoint"]
+    assert set(ROTATION) == ids["rotation"]
 
 
 def test_every_entry_says_what_it_is():

@@ -1,0 +1,404 @@
+"""Crash injection: SIGKILL a whole training job during its saves, then judge what it left.
+
+A trial runs a training job in its own session: a driver process (the trainer's parent side,
+started from a forkserver that has imported torch and megatron-core, then `setsid`) with its own
+world of rank processes (forked from the driver on CPU, spawned on CUDA). The job trains
+`CrashConfig.steps` steps of the resume-check policy and saves after each through a `Checkpointer`
+(sync or async, `keep`). The job dies in one of three ways:
+
+- at a named fault point (harness.checkpoint.faults) of the save of `FAULT_ITERATION`: the process
+  that reaches it SIGKILLs every process of the session, itself last;
+- at a random time after training started (`kill_after` seconds): this process SIGKILLs the session;
+- `parent_only`: only the driver is SIGKILLed, as the OOM killer would; its ranks must take their
+  writers down themselves (each rank kills its process group when its parent is gone).
+
+`judge` then checks what the issue asks of every crash, as report rows:
+  (a) the tracker, if present, names a complete checkpoint, and every save the job saw finalized
+      is covered by it (`tracker_names_incomplete`, `finalized_not_tracked`);
+  (b) once a save has finalized there is a complete checkpoint (`finalized_but_none_complete`);
+  (c) a fresh process resumes from the newest complete one (`resumed_not_newest`) and its next step
+      equals the uninterrupted run's bit for bit (`loss_rel_diff`, `grad_norm_rel_diff`,
+      `param_max_abs_diff`, the resume table's same-layout bounds);
+  (d) no process of the job is left (`orphan_processes`).
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.checkpoint.faults import ENV, FaultPlan, kill_session, session_pids
+
+FAULT_ITERATION = 3  # the save a named fault point applies to: two saves exist before it
+_PRELOAD = ["torch", "megatron.core", "megatron.core.dist_checkpointing", "mbridge", "transformers",
+            "harness.training.policy", "harness.training.handles", "harness.checkpoint.checkpointer",
+            "harness.checkpoint.crash"]
+
+
+@dataclass(frozen=True)
+class CrashConfig:
+    async_save: bool
+    keep: int
+    layout: str = "dp2"
+    steps: int = 4  # one save after each step: iterations 1..steps
+    device: str = "cpu"
+    variant: str | None = None
+    dtype: str = "fp32"
+
+    @property
+    def name(self) -> str:
+        mode = "async" if self.async_save else "sync"
+        return (f"{mode}-keep{self.keep}" + ("" if self.dtype == "fp32" else f"-{self.dtype}")
+                + (f"-{self.variant}" if self.variant else ""))
+
+    @property
+    def policy_config(self) -> dict[str, Any]:
+        from harness.checkpoint.resume_check import CONFIG
+
+        return {**CONFIG, "dtype": self.dtype}
+
+
+@dataclass
+class Outcome:
+    """What a trial left: the driver's events, how it ended, and who survived the kill."""
+
+    config: CrashConfig
+    root: Path
+    how: str  # "point:<name>", "random:<seconds>", "parent-only:<seconds>", "none"
+    events: list[dict[str, Any]]
+    exitcode: int | None
+    orphans: list[str] = field(default_factory=list)  # "pid cmdline" of processes left behind
+    killed_at: float | None = None  # seconds after training started
+
+    @property
+    def finalized(self) -> list[int]:
+        return [e["iteration"] for e in self.events if e["event"] == "finalized"]
+
+    @property
+    def completed(self) -> bool:
+        return any(e["event"] == "done" for e in self.events)
+
+    @property
+    def crashed(self) -> bool:
+        return not self.completed
+
+    @property
+    def error(self) -> str | None:
+        """The traceback of a job that failed on its own (not killed)."""
+        return next((e["error"] for e in self.events if e["event"] == "error"), None)
+
+
+# ----------------------------------------------------------------------------------- the driver
+def _event(path: str, **fields: Any) -> None:
+    with open(path, "a") as handle:  # the page cache survives SIGKILL: flush suffices
+        handle.write(json.dumps({**fields, "t": time.monotonic()}) + "\n")
+        handle.flush()
+
+
+def _drive(config: dict[str, Any], root: str, events: str, plan: dict[str, Any] | None) -> None:
+    """The training job (runs in the trial's own session)."""
+    os.setsid()
+    from harness.launch.world import World
+    from harness.parallel.state import as_layout
+
+    cfg = CrashConfig(**config)
+    env = {}
+    if plan is not None:
+        env[ENV] = FaultPlan(**{**plan, "session": os.getsid(0)}).to_env()
+        os.environ[ENV] = env[ENV]  # the parent-side points
+    world = World(as_layout(cfg.layout).world_size, cfg.device, env=env, echo_output=False,
+                  start_method="fork" if cfg.device == "cpu" else "spawn")
+    try:
+        _train_and_save(cfg, world, root, events)
+    except BaseException as exc:  # the job failed without a crash: say so, leave no rank behind
+        import traceback
+
+        _event(events, event="error", error="".join(traceback.format_exception(exc))[-4000:])
+        raise
+    finally:
+        world.close()
+
+
+def _train_and_save(cfg: CrashConfig, world, root: str, events: str) -> None:
+    from harness.checkpoint.checkpointer import Checkpointer
+    from harness.checkpoint.resume_check import MODEL, train_batch
+    from harness.training.handles import PolicyHandle
+
+    world.start()
+    policy = PolicyHandle(world, cfg.layout, MODEL, **cfg.policy_config)
+    ckpt = Checkpointer(policy, root, keep=cfg.keep, async_save=cfg.async_save, variant=cfg.variant)
+    _event(events, event="ready", pid=os.getpid(), ranks=world.pids)
+    reported = 0
+
+    def report_finalized() -> None:
+        nonlocal reported
+        for record in ckpt.history[reported:]:
+            _event(events, event="finalized", iteration=record.iteration, blocking_s=record.blocking_s,
+                   total_s=record.total_s, deleted=record.deleted)
+        reported = len(ckpt.history)
+
+    for step in range(cfg.steps):
+        stats = policy.step(train_batch(step))
+        _event(events, event="step", step=step + 1, loss=stats["loss"], grad_norm=stats["grad_norm"])
+        ckpt.maybe_finalize()
+        report_finalized()
+        _event(events, event="save", iteration=step + 1)
+        ckpt.save()
+        report_finalized()
+    ckpt.close()
+    report_finalized()
+    _event(events, event="done", writers=ckpt.writers())
+    policy.close()
+
+
+# ----------------------------------------------------------------------------------- a trial
+_ctx = None
+
+
+def _context():
+    """A forkserver that has imported the heavy modules once: each driver starts in well under a
+    second instead of re-importing torch and megatron-core."""
+    global _ctx
+    if _ctx is None:
+        _ctx = mp.get_context("forkserver")
+        _ctx.set_forkserver_preload(_PRELOAD)
+    return _ctx
+
+
+def _read_events(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except ValueError:  # a line cut by the kill
+            pass
+    return events
+
+
+def _describe(pid: int) -> str:
+    import psutil
+
+    try:
+        return f"{pid} {' '.join(psutil.Process(pid).cmdline())[:160]}"
+    except psutil.Error:
+        return f"{pid} (gone)"
+
+
+def run_trial(config: CrashConfig, root: str | os.PathLike, *, point: str | None = None,
+              kill_after: float | None = None, parent_only: bool = False, timeout: float = 240.0,
+              grace: float = 10.0) -> Outcome:
+    """One job into `root` (which may hold an earlier job's checkpoints), killed as asked (at
+    most one of `point`, `kill_after`); see the module docstring."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    events = root.parent / f"{root.name}.events-{time.monotonic_ns()}.jsonl"
+    plan = None if point is None else {"point": point, "iteration": FAULT_ITERATION, "action": "kill"}
+    proc = _context().Process(target=_drive, args=(asdict(config), str(root), str(events), plan),
+                              name=f"mrh-crash-{config.name}")
+    proc.start()
+    sid = proc.pid  # the driver's setsid makes its pid the session id
+    how, killed_at = "none" if point is None else f"point:{point}", None
+    deadline = time.monotonic() + timeout
+    if kill_after is not None:
+        ready = None
+        while ready is None and proc.is_alive() and time.monotonic() < deadline:
+            ready = next((e for e in _read_events(events) if e["event"] == "ready"), None)
+            time.sleep(0.02)
+        if ready is not None:
+            time.sleep(max(0.0, ready["t"] + kill_after - time.monotonic()))
+            killed_at = time.monotonic() - ready["t"]
+            if parent_only:
+                how = f"parent-only:{kill_after:.2f}"
+                os.kill(proc.pid, signal.SIGKILL)
+            else:
+                how = f"random:{kill_after:.2f}"
+                kill_session(sid, include_self=False)
+    proc.join(timeout=max(1.0, deadline - time.monotonic()))
+    if proc.is_alive():  # a hung job is a failure of its own: take it down, say so
+        kill_session(sid, include_self=False)
+        proc.join(timeout=10)
+        raise TimeoutError(f"crash trial {config.name} ({how}) did not end within {timeout:.0f}s")
+    # (d) nothing of the job may outlive it; ranks need up to ~1 s to notice a parent-only kill.
+    left = session_pids(sid)
+    end = time.monotonic() + grace
+    while left and time.monotonic() < end:
+        time.sleep(0.2)
+        left = session_pids(sid)
+    orphans = [_describe(pid) for pid in left]
+    if left:
+        kill_session(sid, include_self=False)
+    return Outcome(config, root, how, _read_events(events), proc.exitcode, orphans, killed_at)
+
+
+# ----------------------------------------------------------------------------------- judging
+@dataclass
+class Uninterrupted:
+    """The run without any save or crash: stats of steps 1..steps+1 and the weights after each."""
+
+    stats: list[dict[str, float]]
+    states: list[dict[str, Any]]
+
+
+def uninterrupted(make_policy, config: CrashConfig) -> Uninterrupted:
+    from harness.checkpoint.resume_check import MODEL, train_batch
+
+    policy = make_policy(config.layout, MODEL, **config.policy_config)
+    try:
+        stats, states = [], []
+        for step in range(config.steps + 1):
+            stats.append(policy.step(train_batch(step)))
+            states.append(policy.hf_state_dict())
+    finally:
+        policy.close()
+    return Uninterrupted(stats, states)
+
+
+@dataclass
+class Verdict:
+    outcome: Outcome
+    checks: list[Any] = field(default_factory=list)  # CheckResult
+    failures: list[str] = field(default_factory=list)
+    resumed: int | None = None
+    complete: list[int] = field(default_factory=list)
+    tracker: int | str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def rows(self, **extra: Any):
+        from harness.checkpoint.resume_check import MODEL
+        from harness.report import Row
+
+        o = self.outcome
+        return [Row(suite="", test="", layout=o.config.layout, metric=c.metric, value=c.value,
+                    tolerance=c.tolerance.limit, passed=c.passed, device=o.config.device, model=MODEL, dtype=o.config.dtype,
+                    extra=dict(extra, config=o.config.name, crash=o.how, variant=o.config.variant,
+                               tolerance_kind=c.tolerance.kind, resumed=self.resumed))
+                for c in self.checks]
+
+    def summary(self) -> str:
+        o = self.outcome
+        state = (f"complete {self.complete}, tracker {self.tracker}, finalized {o.finalized}, "
+                 f"resumed {self.resumed}")
+        return f"{o.config.name} {o.how}: " + ("; ".join(self.failures) if self.failures else "ok") + f" ({state})"
+
+
+def judge(outcome: Outcome, reference: Uninterrupted, make_policy, *, resident=None) -> Verdict:
+    """Checks (a)-(d) of the module docstring on what `outcome` left. The resume runs on
+    `resident` (a PolicyHandle of the job's layout and config, kept open: the load replaces its
+    whole state) or on a new policy from `make_policy`."""
+    from harness.checkpoint.checkpointer import Checkpointer
+    from harness.checkpoint.errors import CheckpointError
+    from harness.checkpoint.resume_check import MODEL, train_batch
+    from harness.checkpoint.root import CheckpointRoot, NothingToResume
+    from harness.checkpoint.tolerances import crash_tolerance
+    from harness.tolerance import CheckResult
+
+    verdict = Verdict(outcome)
+
+    def check(metric: str, value: float, what: str) -> None:
+        bound = crash_tolerance(metric)
+        result = CheckResult(metric, float(value), bound, bound.passes(float(value)))
+        verdict.checks.append(result)
+        if not result.passed:
+            verdict.failures.append(f"{what} ({metric} {value:g}, bound {bound.limit:g})")
+
+    root = CheckpointRoot(outcome.root)
+    verdict.complete = complete = root.complete()
+    try:
+        tracker = root.tracker()
+    except CheckpointError:
+        tracker = "unreadable"
+    verdict.tracker = tracker
+    finalized = outcome.finalized
+    check("tracker_names_incomplete", int(tracker is not None and tracker not in complete),
+          f"the tracker names {tracker!r}, not a complete checkpoint")
+    covered = isinstance(tracker, int) and all(tracker >= i for i in finalized)
+    check("finalized_not_tracked", int(bool(finalized) and not covered),
+          f"saves {finalized} finalized but the tracker names {tracker!r}")
+    check("finalized_but_none_complete", int(bool(finalized) and not complete),
+          f"saves {finalized} finalized, yet no complete checkpoint is left")
+    check("orphan_processes", len(outcome.orphans), f"processes outlived the job: {outcome.orphans}")
+    if complete or finalized:
+        policy = resident or make_policy(outcome.config.layout, MODEL, **outcome.config.policy_config)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # passing over a damaged newest one is expected here
+                try:
+                    info = Checkpointer(policy, outcome.root, keep=outcome.config.keep, sweep=False,
+                                        variant=outcome.config.variant).resume()
+                except (CheckpointError, NothingToResume) as exc:
+                    info = {"iteration": None, "error": str(exc)}
+            verdict.resumed = info["iteration"]
+            newest = max(complete) if complete else None
+            check("resumed_not_newest", int(info["iteration"] != newest),
+                  f"resumed from {info['iteration']} ({info.get('error', 'loaded')}), the newest complete is {newest}")
+            if info["iteration"] is not None:
+                k = info["iteration"]
+                got = policy.step(train_batch(k))
+                want = reference.stats[k]
+                for key in ("loss", "grad_norm"):
+                    rel = abs(got[key] - want[key]) / max(abs(want[key]), 1.0)
+                    check(f"{key}_rel_diff", rel, f"the step after resuming from {k}: {key} {got[key]!r} vs "
+                          f"{want[key]!r} uninterrupted")
+                state = policy.hf_state_dict()
+                worst = max((state[n].float() - t.float()).abs().max().item()
+                            for n, t in reference.states[k].items())
+                check("param_max_abs_diff", worst, f"weights after the resumed step differ by {worst:g}")
+        finally:
+            if resident is None:
+                policy.close()
+    else:
+        verdict.resumed = None
+        try:
+            root.choose()
+            check("resumed_not_newest", 1, "a resume found a checkpoint where none is complete")
+        except NothingToResume:
+            check("resumed_not_newest", 0, "")
+    return verdict
+
+
+def cached_trial(cache: dict, config: CrashConfig, workdir: str | os.PathLike, make_policy, *,
+                 resident=None, **how) -> Verdict:
+    """`run_trial` + `judge`, once per (config, how) per `cache` (a session's), with the
+    uninterrupted reference made once per (layout, device, dtype)."""
+    key = ("verdict", config, tuple(sorted(how.items())))
+    if key not in cache:
+        ref_key = ("reference", config.layout, config.device, config.dtype)
+        if ref_key not in cache:
+            cache[ref_key] = uninterrupted(make_policy, config)
+        label = "-".join(str(v) for v in how.values()) or "clean"
+        outcome = run_trial(config, Path(workdir) / f"{config.name}-{label}-{time.monotonic_ns()}", **how)
+        if outcome.error:
+            raise RuntimeError(f"the {config.name} job failed on its own ({outcome.how}):\n{outcome.error}")
+        cache[key] = judge(outcome, cache[ref_key], make_policy, resident=resident)
+    return cache[key]
+
+
+def random_kill_times(seed: int, count: int, span: float) -> list[float]:
+    """`count` seeded kill times in [0, span) seconds after training starts."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.uniform(0.0, span) for _ in range(count)]
+
+
+def training_span(outcome: Outcome) -> float:
+    """Seconds from 'ready' to 'done' of an uncrashed trial (the window random kills fall in)."""
+    times = {e["event"]: e["t"] for e in outcome.events}
+    if "ready" not in times or "done" not in times:
+        raise ValueError(f"trial {outcome.how} did not complete: no span")
+    return times["done"] - times["ready"]
+
+
+__all__ = ["CrashConfig", "FAULT_ITERATION", "Outcome", "Uninterrupted", "Verdict", "cached_trial", "judge",
+           "random_kill_times", "run_trial", "training_span", "uninterrupted"]
