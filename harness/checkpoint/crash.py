@@ -61,7 +61,7 @@ class CrashConfig:
     def policy_config(self) -> dict[str, Any]:
         from harness.checkpoint.resume_check import CONFIG
 
-        return {**CONFIG, "dtype": self.dtype}
+        return {**CONFIG, "dtype": self.dtype, "deterministic": True}  # bit-exact resumes on CUDA
 
 
 @dataclass

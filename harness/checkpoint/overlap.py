@@ -62,7 +62,7 @@ def overlapping_saves(make_policy, layout: str, root: str | Path, *, dtype: str 
     from harness.checkpoint.tolerances import crash_tolerance
     from harness.tolerance import CheckResult
 
-    config = {**CONFIG, "dtype": dtype}
+    config = {**CONFIG, "dtype": dtype, "deterministic": True}
     policy = make_policy(layout, MODEL, **config)
     policy.step(train_batch(0))
     ckpt = Checkpointer(policy, root, keep=2, async_save=True, fully_parallel_save=True, variant=variant)

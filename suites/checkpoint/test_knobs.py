@@ -16,11 +16,12 @@ from harness.checkpoint.resume_check import CONFIG, MODEL, train_batch
 from suites.checkpoint.test_rotation import layout_for
 
 K = 2
+POLICY = {**CONFIG, "deterministic": True}  # bit-exact next steps on CUDA too
 
 
 def test_every_save_combination_writes_the_same_checkpoint_and_resumes_the_same(policy, device, tmp_path, report):
     layout = layout_for(device)
-    source = policy(layout, MODEL, **CONFIG)
+    source = policy(layout, MODEL, **POLICY)
     source.steps([train_batch(i) for i in range(K)])
     combos = CheckpointKnobs.save_combinations()
     assert len(combos) == 4 and len(set(combos)) == 4
@@ -41,7 +42,7 @@ def test_every_save_combination_writes_the_same_checkpoint_and_resumes_the_same(
         report.add("tensors_differing", len(diff.mismatched) + len(diff.missing) + len(diff.extra), tolerance=0,
                    passed=diff.ok, layout=layout, knobs=knobs.describe())
         assert diff.ok and diff.equal > 0, f"{knobs.describe()}: {diff.summary()}"
-        target = policy(layout, MODEL, **CONFIG)
+        target = policy(layout, MODEL, **POLICY)
         load_knobs = knobs.replace(fully_parallel_load=bool(index % 2))
         info = Checkpointer(target, directory.parent, load_knobs, sweep=False).resume()
         assert info["iteration"] == K and info["rng_restored"]
