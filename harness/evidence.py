@@ -12,10 +12,12 @@ from harness.tolerance import Evidence
 
 CPU_BASELINE = "reports/baselines/cpu/results.json"
 H100_TP1 = "reports/gpu/2026-11-23-h100-tp1/run/results.json"
+H100_CKPT = "reports/gpu/2026-11-23-h100-ckpt/run1/run/results.json"
 
 NOTES = {
     CPU_BASELINE: "CPU/gloo baseline (make test)",
     H100_TP1: "1x H100, NCCL, tp1 (issue 11 run; 2-GPU kinds were not lent)",
+    H100_CKPT: "1x H100, NCCL, tp1: async checkpointing, the crash suite's CI slice (issue 12 run)",
 }
 
 

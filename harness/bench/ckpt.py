@@ -8,9 +8,15 @@ every save includes the harness's own commit: manifest with checksums, fsyncs, r
                         (`SaveRecord.total_s`); one training step runs in between, as in a loop;
   * ratio             - sync_save_s / async_blocking_s;
   * step_s_alone      - median step time with no write in flight (the steps after sync saves);
-  * step_s_during_write - median step time right after an async save returned (write in flight).
-One save of each kind is made first and not counted: the first save starts megatron-core's
-results-queue Manager process (~3 s); the persistent caller spawns its worker at its first save.
+  * step_s_during_write - median step time right after an async save returned (write in flight);
+  * blocking_fraction_of_sync - async_blocking_s / sync_save_s (the issue's target: <= 5% for >= 1 GB);
+  * blocking_breakdown_s - where the blocking went, rank 0: state_dict_s (the sharded state dict:
+                        a fully_reshardable optimizer is gathered into model space), plan_s
+                        (megatron-core's save(): validation, planning collectives, common.pt),
+                        stage_s (the copy to host and the fork of the writer);
+  * writer_cpu_s      - CPU time of the writer processes of an async save, all ranks.
+One save of each kind is made first and not counted (first-use costs: imports, the persistent
+caller's worker).
 
 Callers (`--caller`): megatron-core's temporal caller (a writer forked per save: what the harness
 uses, harness.checkpoint.async_save) and, on CUDA only, its persistent caller (one spawned worker
@@ -19,12 +25,10 @@ kept for every save). The persistent worker cannot run on CPU (it dies with Zero
 refused before anything starts. The persistent caller is set on the ranks from here, by giving each
 rank's RankSaver an `AsyncCallsQueue(persistent=True)` before its first async save.
 
-Why the harness keeps the temporal caller (measured with `--caller both`, one H100, tp1, 2026-11-23):
-qwen3-0.6b-shape bf16 (8.3 GB checkpoint): sync save 34.6 s; async blocking 14.0 s temporal vs
-15.0 s persistent, async total 33.0 s for both, step during a write 0.56 s vs 0.43 s (0.54 s alone);
-the persistent caller's first save blocked 31.3 s (spawning its worker) against 12.7 s. With
-tiny-qwen3-kv4 both block ~0.58 s. So the persistent caller buys nothing measurable here once warm,
-costs a slow first save, and cannot run on CPU at all.
+Why the harness keeps the temporal caller: reports/gpu/2026-11-23-h100-ckpt/bench (one H100, tp1):
+warm, both block alike (tiny-qwen3-kv4: 0.46 s temporal, 0.50 s persistent), while the persistent
+caller's first save blocked 13.5 s spawning its worker (temporal: 0.51 s) and it cannot run on CPU.
+qwen3-0.6b-shape bf16 (8.35 GB): sync save 26.5 s, async blocking 11.6 s, async total 28.0 s.
 
 One JSON line on stdout; progress on stderr. Exit 0 measured, 2 bad input (before any rank starts).
 """
@@ -226,7 +230,7 @@ class _Bench:
             used = set(self.policy.apply(_caller_kind))
             if used != {caller}:
                 raise RuntimeError(f"the ranks saved with the {sorted(used)} caller, not {caller}")
-            blocking, total, during, waits = [], [], [], []
+            blocking, total, during, waits, stages, writer_cpu = [], [], [], [], [], []
             for _ in range(saves):
                 iteration, elapsed = self.save(ckpt)
                 blocking.append(elapsed)
@@ -237,6 +241,8 @@ class _Bench:
                 record = ckpt.history[-1]
                 assert record.iteration == iteration and record.async_save, record
                 total.append(record.total_s)
+                stages.append(record.stages)
+                writer_cpu.append(record.writer_cpu_s)
                 self.drop(ckpt, iteration)
                 self.log(f"  {caller} async save {iteration}: blocking {elapsed:.3f}s, total {total[-1]:.3f}s; "
                          f"step during write {during[-1]:.3f}s, then waited {waits[-1]:.3f}s to commit")
@@ -246,7 +252,7 @@ class _Bench:
                 ckpt.abort()
             self.policy.apply(_set_caller, "temporal")  # a persistent worker exits; the harness default again
         return {"warmup_blocking_s": warmup, "blocking": blocking, "total": total, "step_during_write": during,
-                "wait_after_step": waits}
+                "wait_after_step": waits, "stages": stages, "writer_cpu": writer_cpu}
 
 
 def run(model: str, layout: str | None = None, device: str | None = None, dtype: str = "fp32", saves: int = 3,
@@ -309,6 +315,12 @@ def run(model: str, layout: str | None = None, device: str | None = None, dtype:
             "warmup_blocking_s": round(m["warmup_blocking_s"], 4),
             "async_blocking_samples_s": _samples(m["blocking"]), "async_total_samples_s": _samples(m["total"]),
             "step_during_write_samples_s": _samples(m["step_during_write"]),
+            # where the blocking time went (rank 0, medians): building the sharded state dict,
+            # megatron-core's save() (planning), staging (copy to host, fork of the writer)
+            "blocking_breakdown_s": {k: _median([s[k] for s in m["stages"]]) for k in m["stages"][0]},
+            "blocking_fraction_of_sync": round(blocking / sync_s, 4) if sync_s > 0 else None,
+            # CPU time of the writer processes while training went on (all ranks, median per save)
+            "writer_cpu_s": _median(m["writer_cpu"]),
         }
     first = request["callers"][0]
     return {
@@ -316,7 +328,8 @@ def run(model: str, layout: str | None = None, device: str | None = None, dtype:
         "checkpoint_bytes": sync["checkpoint_bytes"], "saves": saves, "caller": first,
         "sync_save_s": sync_s,
         **{k: callers[first][k] for k in ("async_blocking_s", "async_total_s", "ratio", "step_s_during_write",
-                                          "async_wait_after_step_s")},
+                                          "async_wait_after_step_s", "blocking_fraction_of_sync",
+                                          "blocking_breakdown_s", "writer_cpu_s")},
         "step_s_alone": step_alone,
         "sync_samples_s": _samples(sync["save"]), "step_alone_samples_s": _samples(sync["step_alone"]),
         "callers": callers, "versions": _versions(),

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import functools
 import os
+import resource
 import signal
+import time
 from typing import Any
 
 from harness.checkpoint.faults import fault
@@ -44,7 +46,11 @@ class RankSaver:
 
     # ------------------------------------------------------------------ saving
     def save(self, state: dict[str, Any], directory: str, *, strategy, content_metadata: dict[str, Any],
-             async_save: bool, iteration: int | None, allow_overlap: bool = False) -> None:
+             async_save: bool, iteration: int | None, allow_overlap: bool = False) -> dict[str, float]:
+        """Plan and write (sync) or stage and schedule (async) `state`. Returns where the time went:
+        plan_s (megatron-core's save(): validation, planning collectives, common.pt) and stage_s
+        (async: the copy to host and the fork of the writer; sync: the whole write and finalize),
+        and, for sync, writer_cpu_s (CPU time of the forked per-bucket writers)."""
         from megatron.core import dist_checkpointing
 
         from harness.compat.megatron_core import fork_results_queue, instrument_writes
@@ -55,13 +61,17 @@ class RankSaver:
         fault("before-staging", iteration)
         fork_results_queue()
         instrument_writes(iteration)  # the fault point inside the forked writers
+        started = time.perf_counter()
         request = dist_checkpointing.save(state, directory, sharded_strategy=strategy,
                                           content_metadata=content_metadata, async_sharded_save=True)
         request = request._replace(finalize_fns=[functools.partial(fault, "writes-done", iteration),
                                                  *request.finalize_fns])
+        planned = time.perf_counter()
+        timings = {"plan_s": planned - started}
         if not async_save:
+            cpu = _children_cpu_s()
             request.execute_sync()
-            return
+            return {**timings, "stage_s": time.perf_counter() - planned, "writer_cpu_s": _children_cpu_s() - cpu}
         if self._queue is None:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
@@ -70,15 +80,20 @@ class RankSaver:
         writer = self._queue.async_calls[-1].async_caller.process
         self._pending.append({"call": call, "directory": directory, "iteration": iteration,
                               "writer": writer.pid if writer is not None else None})
+        return {**timings, "stage_s": time.perf_counter() - planned}
 
     # ------------------------------------------------------------------ finalizing
     def finalize(self, blocking: bool) -> dict[str, Any]:
         """Finalize the saves whose writes are done on every rank (collective: every rank calls it
         at the same point). Returns {"finalized": [directories], "pending": n, "error": text or None,
-        "failed": directory or None}: a writer's error is returned, not raised, so the world stays
-        usable and the parent raises it once."""
+        "failed": directory or None, "writer_cpu_s": CPU time of the writers reaped here}: a writer's
+        error is returned, not raised, so the world stays usable and the parent raises it once.
+        The writer is this rank's child, its per-bucket writers its children: their CPU time
+        reaches RUSAGE_CHILDREN when finalize joins the writer (verl PR 4638: a writer can burn CPU
+        the training step needs)."""
         if not self._pending:
-            return {"finalized": [], "pending": 0, "error": None, "failed": None}
+            return {"finalized": [], "pending": 0, "error": None, "failed": None, "writer_cpu_s": 0.0}
+        cpu = _children_cpu_s()
         try:
             calls = self._queue.maybe_finalize_async_calls(blocking=blocking)
         except BaseException as exc:  # CheckpointException is a BaseException
@@ -86,11 +101,12 @@ class RankSaver:
                 raise
             failed = self._pending.pop(0)  # megatron-core popped the request before it raised
             return {"finalized": [], "pending": len(self._pending), "failed": failed["directory"],
-                    "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:600]}"}
+                    "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:600]}",
+                    "writer_cpu_s": _children_cpu_s() - cpu}
         done = [p for p in self._pending if p["call"] in calls]
         self._pending = [p for p in self._pending if p["call"] not in calls]
         return {"finalized": [p["directory"] for p in done], "pending": len(self._pending), "error": None,
-                "failed": None}
+                "failed": None, "writer_cpu_s": _children_cpu_s() - cpu}
 
     def abort(self) -> list[int]:
         """Kill this rank's in-flight writers (and their forked children) without finalizing;
@@ -123,6 +139,11 @@ class RankSaver:
 
 
 # ---------------------------------------------------------------------- processes
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _kill_tree(pid: int) -> list[int]:
     psutil = _psutil()
     try:

@@ -53,6 +53,8 @@ class PendingSave:
     started: float
     blocking_s: float
     position: dict[str, int]
+    stages: dict[str, float] = field(default_factory=dict)  # rank 0's: state_dict_s, plan_s, stage_s
+    writer_cpu_s: float = 0.0  # all ranks' writers
 
 
 @dataclass
@@ -64,6 +66,8 @@ class SaveRecord:
     blocking_s: float  # until training could continue
     total_s: float  # until the checkpoint was committed and tracked
     deleted: list[int] = field(default_factory=list)
+    stages: dict[str, float] = field(default_factory=dict)  # where the blocking time went (rank 0)
+    writer_cpu_s: float = 0.0  # CPU time of the writer processes, summed over the ranks
 
 
 class Checkpointer:
@@ -77,8 +81,11 @@ class Checkpointer:
             raise CheckpointError(str(exc)) from None
         self.policy = policy
         self.root = CheckpointRoot(root)
-        self.knobs = (knobs or CheckpointKnobs()).replace(**knob_changes) if knob_changes else \
-            (knobs or CheckpointKnobs())
+        unknown = sorted(set(knob_changes) - set(CheckpointKnobs.__dataclass_fields__))
+        if unknown:
+            raise CheckpointError(f"unknown checkpoint knob(s) {unknown}; the knobs are "
+                                  f"{sorted(CheckpointKnobs.__dataclass_fields__)}")
+        self.knobs = (knobs or CheckpointKnobs()).replace(**knob_changes)
         self.variant = variant
         self.pending: list[PendingSave] = []
         self.history: list[SaveRecord] = []
@@ -113,7 +120,7 @@ class Checkpointer:
         partial = self.root.new_partial(iteration)
         started = time.perf_counter()
         try:
-            self.policy.call("save_checkpoint", str(partial), optimizer_format=self.knobs.optimizer_format,
+            saved = self.policy.call("save_checkpoint", str(partial), optimizer_format=self.knobs.optimizer_format,
                              fully_parallel=self.knobs.fully_parallel_save, async_save=self.knobs.async_save,
                              iteration=iteration, allow_overlap=self.variant == "overlapping-async-saves")
         except BaseException as exc:  # torch's CheckpointException is a BaseException
@@ -121,7 +128,9 @@ class Checkpointer:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             raise self._failed(iteration, f"{type(exc).__name__}: {' '.join(str(exc).split())[:600]}") from exc
-        pending = PendingSave(iteration, partial, started, time.perf_counter() - started, position)
+        pending = PendingSave(iteration, partial, started, time.perf_counter() - started, position,
+                              stages={k: round(v, 4) for k, v in saved[0]["timings"].items() if k != "writer_cpu_s"},
+                              writer_cpu_s=sum(r["timings"].get("writer_cpu_s", 0.0) for r in saved))
         if self.variant == "tracker-at-schedule":  # verl before PR 4638: the trainer wrote it here
             self.root.write_tracker(iteration)
         if self.variant == "delete-before-finalize":  # SkyRL / verl 4667: prune, counting the new one
@@ -146,6 +155,10 @@ class Checkpointer:
             finalized = results[0]["finalized"]
             if not finalized:
                 break
+            for pending in self.pending:  # the writers reaped by this finalize (one save here, but for
+                if str(pending.partial) in finalized:  # the overlapping variant: charged to the first)
+                    pending.writer_cpu_s += sum(r["writer_cpu_s"] for r in results)
+                    break
             for directory in finalized:
                 pending = next(p for p in self.pending if str(p.partial) == directory)
                 self.pending.remove(pending)
@@ -187,7 +200,8 @@ class Checkpointer:
         deleted = [] if self.variant in ("delete-before-finalize", "keep1-deletes-first") else \
             self._rotate(iteration, keep=self.knobs.keep)
         self.history.append(SaveRecord(iteration, self.knobs.async_save, pending.blocking_s,
-                                       time.perf_counter() - pending.started, deleted))
+                                       time.perf_counter() - pending.started, deleted, pending.stages,
+                                       round(pending.writer_cpu_s, 4)))
         return manifest
 
     def _rotate(self, iteration: int, *, keep: int, upstream_order: bool = False) -> list[int]:

@@ -48,10 +48,11 @@ def save_strategy(fully_parallel: bool):
 
 
 def save_sharded(saver, state: dict[str, Any], directory: str, optimizer_format: str, fully_parallel: bool,
-                 *, async_save: bool = False, iteration: int | None = None, allow_overlap: bool = False) -> None:
+                 *, async_save: bool = False, iteration: int | None = None,
+                 allow_overlap: bool = False) -> dict[str, float]:
     """Write this rank's part of `state` (every rank at once) through `saver`
     (harness.checkpoint.async_save.RankSaver): inline, or scheduled with async_save."""
-    saver.save(state, directory, strategy=save_strategy(fully_parallel),
+    return saver.save(state, directory, strategy=save_strategy(fully_parallel),
                content_metadata={"distrib_optim_sharding_type": optimizer_format}, async_save=async_save,
                iteration=iteration, allow_overlap=allow_overlap)
 

@@ -181,6 +181,14 @@ class PolicyHandle(_Handle):
 
         return save_checkpoint(self, directory, **options)
 
+    def checkpointer(self, root, knobs=None, **options: Any):
+        """A `harness.checkpoint.checkpointer.Checkpointer` of this policy into `root`: numbered
+        checkpoints, a tracker, `keep` rotation, sync or async saves, resume. `options` are
+        CheckpointKnobs fields (async_save, keep, fully_parallel_save, ...) and `variant`."""
+        from harness.checkpoint.checkpointer import Checkpointer
+
+        return Checkpointer(self, root, knobs, **options)
+
     def load(self, directory, **options: Any) -> dict[str, Any]:
         """Replace the whole state by a checkpoint's (`harness.checkpoint.load_checkpoint`)."""
         from harness.checkpoint import load_checkpoint

@@ -24,6 +24,7 @@ and the reported loss uses the unscaled value.
 """
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -332,12 +333,16 @@ class PolicyWorker:
                         fully_parallel: bool = True, async_save: bool = False, iteration: int | None = None,
                         allow_overlap: bool = False) -> dict[str, int]:
         """Write this rank's part of the policy into `directory` (every rank at once); returns the
-        data position saved. With async_save the write continues in a forked writer after this
-        returns, from a snapshot of the state now; `finalize_checkpoints` completes it. The
-        directory's atomicity, manifest and tracker are the parent's (harness.checkpoint)."""
-        save_sharded(self.saver, self.sharded_state_dict(optimizer_format), directory, optimizer_format,
-                     fully_parallel, async_save=async_save, iteration=iteration, allow_overlap=allow_overlap)
-        return self.position()
+        data position saved and where the time went ("timings": state_dict_s, plan_s, stage_s).
+        With async_save the write continues in a forked writer after this returns, from a snapshot
+        of the state now; `finalize_checkpoints` completes it. The directory's atomicity, manifest
+        and tracker are the parent's (harness.checkpoint)."""
+        started = time.perf_counter()
+        state = self.sharded_state_dict(optimizer_format)
+        built = time.perf_counter() - started
+        timings = save_sharded(self.saver, state, directory, optimizer_format, fully_parallel,
+                               async_save=async_save, iteration=iteration, allow_overlap=allow_overlap)
+        return {**self.position(), "timings": {"state_dict_s": built, **timings}}
 
     def finalize_checkpoints(self, blocking: bool = False) -> dict[str, Any]:
         """Complete the async saves whose writes are done on every rank (collective);

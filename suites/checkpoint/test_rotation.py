@@ -13,7 +13,6 @@ import pytest
 from harness.checkpoint import CheckpointError
 from harness.checkpoint.checkpointer import Checkpointer
 from harness.checkpoint.faults import FaultPlan, injected
-from harness.checkpoint.knobs import CheckpointKnobs
 from harness.checkpoint.resume_check import CONFIG, MODEL, train_batch
 from harness.checkpoint.root import TRACKER, NothingToResume
 
@@ -37,7 +36,7 @@ def _trained(policy, device, steps: int = 1):
 @pytest.mark.parametrize("keep", [1, 2])
 def test_rotation_keeps_the_newest_and_the_tracker_names_the_last(policy, device, tmp_path, async_save, keep, report):
     handle = _trained(policy, device)
-    ckpt = Checkpointer(handle, tmp_path, keep=keep, async_save=async_save)
+    ckpt = handle.checkpointer(tmp_path, keep=keep, async_save=async_save)
     for step in range(1, 4):
         ckpt.save()
         handle.step(train_batch(step))  # async: while the save may still be writing
@@ -51,9 +50,14 @@ def test_rotation_keeps_the_newest_and_the_tracker_names_the_last(policy, device
                layout=layout_for(device), async_save=async_save)
 
 
-def test_keep_must_be_at_least_one(policy, device, tmp_path):
+def test_bad_knobs_are_one_clear_error_before_any_work(policy, device, tmp_path):
+    handle = policy(layout_for(device), MODEL, **CONFIG)
     with pytest.raises(CheckpointError, match="keep must be an integer >= 1"):
-        CheckpointKnobs(keep=0)
+        handle.checkpointer(tmp_path / "a", keep=0)
+    with pytest.raises(CheckpointError, match=r"unknown checkpoint knob\(s\) \['asyncsave'\]"):
+        handle.checkpointer(tmp_path / "b", asyncsave=True)
+    with pytest.raises(CheckpointError, match="is a bridge variant"):
+        handle.checkpointer(tmp_path / "c", variant="scaled-norm")
     assert not any(tmp_path.iterdir())
 
 

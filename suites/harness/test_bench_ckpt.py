@@ -11,7 +11,7 @@ pytestmark = pytest.mark.world_size(2)
 
 FIELDS = {"model", "layout", "device", "world_size", "dtype", "checkpoint_bytes", "saves", "caller",
           "sync_save_s", "async_blocking_s", "async_total_s", "ratio", "step_s_alone", "step_s_during_write",
-          "callers", "versions"}
+          "callers", "versions", "blocking_fraction_of_sync", "blocking_breakdown_s", "writer_cpu_s"}
 
 
 def test_bench_ckpt_prints_one_json_line_of_positive_figures(tmp_path, capsys):
@@ -31,6 +31,10 @@ def test_bench_ckpt_prints_one_json_line_of_positive_figures(tmp_path, capsys):
     assert result["async_total_s"] >= result["async_blocking_s"]  # committed after training could continue
     assert result["ratio"] == pytest.approx(result["sync_save_s"] / result["async_blocking_s"], rel=0.02)
     assert set(result["callers"]) == {"temporal"}
+    stages = result["blocking_breakdown_s"]
+    assert set(stages) == {"state_dict_s", "plan_s", "stage_s"} and all(v >= 0 for v in stages.values())
+    assert sum(stages.values()) <= result["async_blocking_s"] * 1.05  # parts of the blocking time
+    assert result["writer_cpu_s"] > 0  # the forked writers did the writing
     assert result["versions"]["torch"] and result["versions"]["megatron_core"]
     assert "sync save" in err and "async save" in err
     assert not any(root.iterdir())  # the bench's checkpoints are gone without --keep-dir

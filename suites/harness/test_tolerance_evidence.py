@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from harness.checkpoint.tolerances import CRASH_TABLE as CRASH
 from harness.checkpoint.tolerances import TABLE as RESUME
 from harness.parity.tolerances import TABLE as PARITY
 from harness.training.tolerances import TABLE as TRAINING
 
-TABLES = (PARITY, TRAINING, RESUME)
+TABLES = (PARITY, TRAINING, RESUME, CRASH)
 ENTRIES = [(table, entry) for table in TABLES for entry in table.entries]
 
 
