@@ -24,3 +24,11 @@ def source_checkpoint(policy, device, tmp_path_factory, _sources):
         return _sources[(device, layout)]
 
     return make
+
+
+def layout_for(device: str) -> str:
+    """Where the async-checkpoint suites run: dp2 (two ranks: fully parallel saves split the
+    writes); on a machine of one GPU, tp1."""
+    from harness.pytest_plugin.collection import gpu_count
+
+    return "dp2" if device == "cpu" or gpu_count() >= 2 else "tp1"

@@ -21,6 +21,7 @@ import pytest
 
 from harness.checkpoint.crash import CrashConfig, cached_trial, random_kill_times, training_span
 from harness.checkpoint.faults import POINTS
+from suites.checkpoint.conftest import layout_for
 
 CONFIGS = {c.name: c for c in (CrashConfig(False, 1), CrashConfig(False, 2), CrashConfig(True, 1),
                                CrashConfig(True, 2))}
@@ -31,12 +32,6 @@ NIGHTLY = pytest.mark.nightly
 
 def _params(values, ci):
     return [pytest.param(*v, marks=[] if ci(*v) else [NIGHTLY], id="-".join(str(x) for x in v)) for v in values]
-
-
-def layout_for(device: str) -> str:
-    from harness.pytest_plugin.collection import gpu_count
-
-    return "dp2" if device == "cpu" or gpu_count() >= 2 else "tp1"
 
 
 class Bench:

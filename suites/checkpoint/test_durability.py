@@ -34,17 +34,11 @@ from harness.checkpoint.durable import TRASH_PREFIX
 from harness.checkpoint.manifest import MANIFEST
 from harness.checkpoint.resume_check import CONFIG, MODEL, train_batch
 from harness.checkpoint.root import TRACKER, iteration_name
+from suites.checkpoint.conftest import layout_for
 
 MODES = [pytest.param(False, id="sync"), pytest.param(True, id="async")]
 # The catalog's upstream orders this checker must reject, and what its complaint must name.
 BUGGY = {"tracker-in-place": TRACKER, "keep1-deletes-first": TRASH_PREFIX}
-
-
-def layout_for(device: str) -> str:
-    """dp2 (two ranks); one GPU: tp1 (as suites/checkpoint/test_rotation.py)."""
-    from harness.pytest_plugin.collection import gpu_count
-
-    return "dp2" if device == "cpu" or gpu_count() >= 2 else "tp1"
 
 
 # ---------------------------------------------------------------------- the spy

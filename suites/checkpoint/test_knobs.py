@@ -13,7 +13,7 @@ from harness.checkpoint.checkpointer import Checkpointer
 from harness.checkpoint.diff import diff_checkpoints
 from harness.checkpoint.knobs import CheckpointKnobs
 from harness.checkpoint.resume_check import CONFIG, MODEL, train_batch
-from suites.checkpoint.test_rotation import layout_for
+from suites.checkpoint.conftest import layout_for
 
 K = 2
 POLICY = {**CONFIG, "deterministic": True}  # bit-exact next steps on CUDA too

@@ -6,8 +6,6 @@ checked on a live policy, sync and async, on CPU/gloo and (-m gpu) CUDA/NCCL.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from harness.checkpoint import CheckpointError
@@ -15,15 +13,9 @@ from harness.checkpoint.checkpointer import Checkpointer
 from harness.checkpoint.faults import FaultPlan, injected
 from harness.checkpoint.resume_check import CONFIG, MODEL, train_batch
 from harness.checkpoint.root import TRACKER, NothingToResume
+from suites.checkpoint.conftest import layout_for
 
 MODES = [pytest.param(False, id="sync"), pytest.param(True, id="async")]
-
-
-def layout_for(device: str) -> str:
-    """dp2 (two ranks: fully parallel saves split the writes); one GPU: tp1."""
-    from harness.pytest_plugin.collection import gpu_count
-
-    return "dp2" if device == "cpu" or gpu_count() >= 2 else "tp1"
 
 
 def _trained(policy, device, steps: int = 1):
