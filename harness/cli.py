@@ -28,6 +28,9 @@ def _parser() -> argparse.ArgumentParser:
                             help="megatron-core async caller: temporal, persistent or both (persistent: cuda only)")
     ckpt_bench.add_argument("--dir", default=None, help="checkpoint root (default: a temp dir)")
     ckpt_bench.add_argument("--keep-dir", action="store_true", help="leave the checkpoints on disk")
+    ckpt_bench.add_argument("--optimizer-format", default="fully_reshardable",
+                            help="fully_reshardable (default: loadable at any layout) or dp_reshardable "
+                                 "(flat buffers of this TP/PP layout: cheaper to build)")
     ckpt_bench.set_defaults(handler="harness.bench.ckpt:main")
 
     from harness.parity.cli import add_arguments as parity_arguments

@@ -172,8 +172,10 @@ def _batch_maker(vocab_size: int, rows_multiple: int) -> Callable[[int], Any]:
 class _Bench:
     """One policy in one world, its saves numbered from 1 across every Checkpointer."""
 
-    def __init__(self, policy, root: Path, batch: Callable[[int], Any], log) -> None:
+    def __init__(self, policy, root: Path, batch: Callable[[int], Any], log,
+                 optimizer_format: str = "fully_reshardable") -> None:
         self.policy, self.root, self.batch, self.log = policy, root, batch, log
+        self.optimizer_format = optimizer_format
         self.iteration = 0
         self.steps = 0
 
@@ -199,7 +201,8 @@ class _Bench:
         from harness.checkpoint.checkpointer import Checkpointer
 
         # keep is never reached: each checkpoint is deleted by `drop`, untimed, once it is measured
-        return Checkpointer(self.policy, self.root / name, keep=1_000_000, async_save=async_save)
+        return Checkpointer(self.policy, self.root / name, keep=1_000_000, async_save=async_save,
+                            optimizer_format=self.optimizer_format)
 
     def sync(self, saves: int) -> dict[str, Any]:
         ckpt = self.checkpointer("sync", async_save=False)
@@ -257,12 +260,16 @@ class _Bench:
 
 def run(model: str, layout: str | None = None, device: str | None = None, dtype: str = "fp32", saves: int = 3,
         caller: str = "temporal", directory: str | None = None, keep_dir: bool = False,
-        log=print) -> dict[str, Any]:
+        log=print, optimizer_format: str = "fully_reshardable") -> dict[str, Any]:
     """Measure (module docstring); raises BadInput before anything starts."""
     from harness.checkpoint.resume_check import CONFIG
     from harness.launch import World
     from harness.training.handles import PolicyHandle
 
+    from harness.checkpoint.sharded import OPTIMIZER_FORMATS
+
+    if optimizer_format not in OPTIMIZER_FORMATS:
+        raise BadInput(f"unknown optimizer format {optimizer_format!r}; choose from {', '.join(OPTIMIZER_FORMATS)}")
     request = check_input(model, layout, device, dtype, saves, caller)
     layout_, device = request["layout"], request["device"]
     world_size = layout_.world_size
@@ -286,7 +293,7 @@ def run(model: str, layout: str | None = None, device: str | None = None, dtype:
         try:
             policy = PolicyHandle(world, layout_, model, **config)
             try:
-                bench = _Bench(policy, root, batch, log)
+                bench = _Bench(policy, root, batch, log, optimizer_format)
                 log(f"  warm-up step (not counted): {bench.step():.3f}s")
                 sync = bench.sync(saves)
                 measured = {c: bench.async_(c, saves) for c in request["callers"]}
@@ -325,6 +332,7 @@ def run(model: str, layout: str | None = None, device: str | None = None, dtype:
     first = request["callers"][0]
     return {
         "model": model, "layout": layout_.name, "device": device, "world_size": world_size, "dtype": dtype,
+        "optimizer_format": optimizer_format,
         "checkpoint_bytes": sync["checkpoint_bytes"], "saves": saves, "caller": first,
         "sync_save_s": sync_s,
         **{k: callers[first][k] for k in ("async_blocking_s", "async_total_s", "ratio", "step_s_during_write",
@@ -342,7 +350,7 @@ def main(args) -> int:
 
     try:
         result = run(args.model, args.layout, args.device, args.dtype, args.saves, args.caller,
-                     directory=args.dir, keep_dir=args.keep_dir, log=log)
+                     directory=args.dir, keep_dir=args.keep_dir, log=log, optimizer_format=args.optimizer_format)
     except BadInput as exc:
         print(f"mrh bench ckpt: {exc}", file=sys.stderr)
         return 2

@@ -49,6 +49,7 @@ def test_bench_ckpt_prints_one_json_line_of_positive_figures(tmp_path, capsys):
     (["--caller", "persistent"], "the persistent caller needs CUDA"),
     (["--caller", "both"], "the persistent caller needs CUDA"),
     (["--caller", "sideways"], "unknown caller 'sideways'"),
+    (["--optimizer-format", "flat"], "unknown optimizer format 'flat'"),
 ])
 def test_bad_input_exits_2_before_any_rank_starts(monkeypatch, capsys, argv, message):
     from harness.launch import World
