@@ -193,10 +193,12 @@ def _describe(pid: int) -> str:
 
 
 def run_trial(config: CrashConfig, root: str | os.PathLike, *, point: str | None = None,
-              kill_after: float | None = None, parent_only: bool = False, timeout: float = 240.0,
-              grace: float = 10.0) -> Outcome:
-    """One job into `root` (which may hold an earlier job's checkpoints), killed as asked (at
-    most one of `point`, `kill_after`); see the module docstring."""
+              kill_after: float | None = None, after_save: int | None = None, parent_only: bool = False,
+              timeout: float = 240.0, grace: float = 10.0) -> Outcome:
+    """One job into `root` (which may hold an earlier job's checkpoints), killed as asked: at a
+    fault `point`, or `kill_after` seconds after training started (after the job logged the start
+    of the save of `after_save`, if given); see the module docstring. A job that ended before its
+    kill time is judged as it is (`how` says so)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     events = root.parent / f"{root.name}.events-{time.monotonic_ns()}.jsonl"
@@ -208,19 +210,27 @@ def run_trial(config: CrashConfig, root: str | os.PathLike, *, point: str | None
     how, killed_at = "none" if point is None else f"point:{point}", None
     deadline = time.monotonic() + timeout
     if kill_after is not None:
-        ready = None
-        while ready is None and proc.is_alive() and time.monotonic() < deadline:
-            ready = next((e for e in _read_events(events) if e["event"] == "ready"), None)
+        def started(event):
+            return (event["event"] == "save" and event["iteration"] == after_save) if after_save \
+                else event["event"] == "ready"
+
+        mark = None
+        while mark is None and proc.is_alive() and time.monotonic() < deadline:
+            mark = next((e for e in _read_events(events) if started(e)), None)
             time.sleep(0.02)
-        if ready is not None:
-            time.sleep(max(0.0, ready["t"] + kill_after - time.monotonic()))
+        if mark is not None:
+            time.sleep(max(0.0, mark["t"] + kill_after - time.monotonic()))
+            ready = next(e for e in _read_events(events) if e["event"] == "ready")
             killed_at = time.monotonic() - ready["t"]
-            if parent_only:
-                how = f"parent-only:{kill_after:.2f}"
-                os.kill(proc.pid, signal.SIGKILL)
-            else:
-                how = f"random:{kill_after:.2f}"
-                kill_session(sid, include_self=False)
+            kind = "parent-only" if parent_only else "random"
+            how = f"{kind}:{killed_at:.2f}"
+            try:
+                if parent_only:
+                    os.kill(proc.pid, signal.SIGKILL)
+                elif not kill_session(sid, include_self=False):
+                    raise ProcessLookupError
+            except ProcessLookupError:  # the job had ended: nothing to kill
+                how, killed_at = f"ended-before-{kind}-kill:{killed_at:.2f}", None
     proc.join(timeout=max(1.0, deadline - time.monotonic()))
     if proc.is_alive():  # a hung job is a failure of its own: take it down, say so
         kill_session(sid, include_self=False)
