@@ -71,7 +71,10 @@ class SaveRecord:
 
 
 class Checkpointer:
-    """Saves `policy` (a PolicyHandle) into `root` and resumes it from there (module docstring)."""
+    """Saves `policy` (a PolicyHandle) into `root` and resumes it from there (module docstring).
+    One Checkpointer writes to a root at a time: `sweep=True` (the default) removes the partial
+    saves and trash an earlier, dead run left there; pass sweep=False to open a root another live
+    Checkpointer is writing to (e.g. to resume from it)."""
 
     def __init__(self, policy, root: str | os.PathLike, knobs: CheckpointKnobs | None = None, *,
                  variant: str | None = None, sweep: bool = True, **knob_changes: Any) -> None:
