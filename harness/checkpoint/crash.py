@@ -35,7 +35,8 @@ from typing import Any
 
 from harness.checkpoint.faults import ENV, FaultPlan, kill_session, session_pids
 
-FAULT_ITERATION = 3  # the save a named fault point applies to: two saves exist before it
+FAULT_ITERATION = 3  # the save a named fault point applies to: two saves exist before it, and
+# rotation runs in it at keep=1 and keep=2
 _PRELOAD = ["torch", "megatron.core", "megatron.core.dist_checkpointing", "mbridge", "transformers",
             "harness.training.policy", "harness.training.handles", "harness.checkpoint.checkpointer",
             "harness.checkpoint.crash"]
@@ -46,7 +47,7 @@ class CrashConfig:
     async_save: bool
     keep: int
     layout: str = "dp2"
-    steps: int = 4  # one save after each step: iterations 1..steps
+    steps: int = 3  # one save after each step: iterations 1..steps (the fault points: the last save)
     device: str = "cpu"
     variant: str | None = None
     dtype: str = "fp32"
@@ -380,7 +381,8 @@ def judge(outcome: Outcome, reference: Uninterrupted, make_policy, *, resident=N
 def cached_trial(cache: dict, config: CrashConfig, workdir: str | os.PathLike, make_policy, *,
                  resident=None, **how) -> Verdict:
     """`run_trial` + `judge`, once per (config, how) per `cache` (a session's), with the
-    uninterrupted reference made once per (layout, device, dtype)."""
+    uninterrupted reference made once per (layout, device, dtype). `resident`: a callable giving
+    the policy the resume loads into, called only when a trial runs."""
     key = ("verdict", config, tuple(sorted(how.items())))
     if key not in cache:
         ref_key = ("reference", config.layout, config.device, config.dtype)
@@ -390,7 +392,7 @@ def cached_trial(cache: dict, config: CrashConfig, workdir: str | os.PathLike, m
         outcome = run_trial(config, Path(workdir) / f"{config.name}-{label}-{time.monotonic_ns()}", **how)
         if outcome.error:
             raise RuntimeError(f"the {config.name} job failed on its own ({outcome.how}):\n{outcome.error}")
-        cache[key] = judge(outcome, cache[ref_key], make_policy, resident=resident)
+        cache[key] = judge(outcome, cache[ref_key], make_policy, resident=resident() if resident else None)
     return cache[key]
 
 

@@ -170,7 +170,12 @@ def _crash_safety(variant: Variant, layout: str, dtype: str, runner: Runner) -> 
 
         return overlap(variant.id), overlap(None)
     config = CrashConfig(options["async_save"], options["keep"], layout=layout, device=runner.device, dtype=dtype)
-    resident = runner.make_policy(layout, MODEL, **config.policy_config)  # both resumes run on it
+    made = []
+
+    def resident():  # the policy both resumes load into, made only if a trial is not cached
+        if not made:
+            made.append(runner.make_policy(layout, MODEL, **config.policy_config))
+        return made[0]
 
     def run(variant_id):
         verdict = cached_trial(runner.cache, dataclasses.replace(config, variant=variant_id), runner.workdir,

@@ -9,7 +9,8 @@ complete checkpoint exists; (c) a fresh process resumes from the newest complete
 step equals the uninterrupted run's bit for bit; (d) no process of the job is left. Every check is
 a report row, per crash point.
 
-CI runs every fault point for async keep=1, a clean run, one random kill and a parent-only kill;
+CI runs every fault point for async keep=1, a clean run, one random kill and a driver-only kill
+(sync saves and keep=2 are crashed in CI by the rotation variants' fixed paths, suites/sensitivity);
 `--mrh-nightly` runs the whole matrix (4 configurations x 9 points, 20 random kills each, a
 parent-only kill each). The rotation variants of the catalog fail these checks: suites/sensitivity.
 """
@@ -60,8 +61,8 @@ class Bench:
         return handle
 
     def trial(self, config: CrashConfig, **how):
-        return cached_trial(self.cache, config, self.workdir, self.make_policy, resident=self.resident(config),
-                            **how)
+        return cached_trial(self.cache, config, self.workdir, self.make_policy,
+                            resident=lambda: self.resident(config), **how)
 
     def clean(self, config: CrashConfig):
         return self.trial(config)
@@ -77,7 +78,7 @@ def _record(report, verdict, **extra) -> None:
     assert verdict.passed, verdict.summary()
 
 
-@pytest.mark.parametrize("name", _params([(n,) for n in CONFIGS], lambda n: n in (CI_CONFIG, "sync-keep2")))
+@pytest.mark.parametrize("name", _params([(n,) for n in CONFIGS], lambda n: n == CI_CONFIG))
 def test_an_uninterrupted_job_leaves_keep_checkpoints_and_resumes_exactly(bench, name, report):
     config = bench.config(name)
     verdict = bench.clean(config)
@@ -101,7 +102,7 @@ def test_a_kill_at_each_fault_point_leaves_a_resumable_root(bench, name, point, 
 
 
 @pytest.mark.parametrize(("name", "seed"), _params([(n, s) for n in CONFIGS for s in range(RANDOM_KILLS)],
-                                                   lambda n, s: s == 0 and n in (CI_CONFIG, "sync-keep2")))
+                                                   lambda n, s: s == 0 and n == CI_CONFIG))
 def test_a_kill_at_a_random_time_leaves_a_resumable_root(bench, name, seed, report):
     config = bench.config(name)
     span = training_span(bench.clean(config).outcome)
@@ -112,10 +113,10 @@ def test_a_kill_at_a_random_time_leaves_a_resumable_root(bench, name, seed, repo
 
 @pytest.mark.parametrize("name", _params([(n,) for n in CONFIGS], lambda n: n == CI_CONFIG))
 def test_killing_only_the_driver_leaves_no_writer_behind(bench, name, report):
-    """The OOM-killer shape: the driver alone is SIGKILLed, 0.3 s into the save of iteration 3; the
+    """The OOM-killer shape: the driver alone is SIGKILLed, 0.2 s into the save of iteration 3; the
     ranks see their parent gone and take their process groups (their forked writers and queue
     servers) down with them."""
     config = bench.config(name)
-    verdict = bench.trial(config, kill_after=0.3, after_save=3, parent_only=True)
+    verdict = bench.trial(config, kill_after=0.2, after_save=3, parent_only=True)
     assert verdict.outcome.how.startswith("parent-only"), verdict.summary()
-    _record(report, verdict, kill="0.3 s into the save of iteration 3")
+    _record(report, verdict, kill="0.2 s into the save of iteration 3")
