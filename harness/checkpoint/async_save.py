@@ -42,7 +42,7 @@ class RankSaver:
 
     def __init__(self) -> None:
         self._queue = None
-        self._pending: list[dict[str, Any]] = []  # {"call", "directory", "iteration", "writer"}
+        self._pending: list[dict[str, Any]] = []  # {"call": megatron-core's call index, "directory"}
 
     # ------------------------------------------------------------------ saving
     def save(self, state: dict[str, Any], directory: str, *, strategy, content_metadata: dict[str, Any],
@@ -77,9 +77,7 @@ class RankSaver:
 
             self._queue = AsyncCallsQueue(persistent=False)
         call = self._queue.schedule_async_request(request)
-        writer = self._queue.async_calls[-1].async_caller.process
-        self._pending.append({"call": call, "directory": directory, "iteration": iteration,
-                              "writer": writer.pid if writer is not None else None})
+        self._pending.append({"call": call, "directory": directory})
         return {**timings, "stage_s": time.perf_counter() - planned}
 
     # ------------------------------------------------------------------ finalizing

@@ -36,7 +36,7 @@ from typing import Any
 from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.faults import fault
 from harness.checkpoint.knobs import CheckpointKnobs
-from harness.checkpoint.manifest import Manifest, file_table, model_fingerprint, write_manifest
+from harness.checkpoint.manifest import Manifest, write_manifest
 from harness.checkpoint.root import CheckpointRoot, NothingToResume
 from harness.variants import VariantError, require
 
@@ -181,19 +181,13 @@ class Checkpointer:
 
     def _commit(self, pending: PendingSave) -> Manifest:
         """Step 3-5 of the module docstring, after every rank's writes and megatron-core's finalize."""
-        from harness.checkpoint.manager import _megatron_version
-        from harness.models import load_hf_config
+        from harness.checkpoint.manager import policy_manifest
 
-        iteration, policy = pending.iteration, self.policy
+        iteration = pending.iteration
         fault("metadata-written", iteration)
-        manifest = Manifest(
-            model=str(policy.path), model_config=model_fingerprint(load_hf_config(policy.path)),
-            layout=policy.layout.name, world_size=policy.world.size, dtype=policy.config.get("dtype", "fp32"),
-            optimizer_format=self.knobs.optimizer_format, steps_done=pending.position["steps_done"],
-            consumed_samples=pending.position["consumed_samples"], megatron_core=_megatron_version(),
-            files=file_table(pending.partial), iteration=iteration, async_save=self.knobs.async_save,
-            blocking_s=round(pending.blocking_s, 4))
-        manifest.save_s = round(time.perf_counter() - pending.started, 4)
+        manifest = policy_manifest(self.policy, pending.partial, pending.position, self.knobs.optimizer_format,
+                                   pending.started, iteration=iteration, async_save=self.knobs.async_save,
+                                   blocking_s=round(pending.blocking_s, 4))
         write_manifest(pending.partial, manifest)
         self.root.commit(pending.partial, iteration)
         if self.variant not in ("tracker-at-schedule",) and not (
@@ -247,9 +241,13 @@ class Checkpointer:
         iteration and what was skipped."""
         from harness.checkpoint.manager import load_checkpoint
 
-        choice = self.root.choose(checksums=checksums, trust_tracker=self.variant == "resume-trusts-tracker")
+        trust = self.variant == "resume-trusts-tracker"
+        choice = self.root.choose(checksums=checksums, trust_tracker=trust)
+        # choose() has just verified every file of its choice (checksums too) unless it trusted the
+        # tracker: the load then re-checks sizes only
         info = load_checkpoint(self.policy, choice.directory, load_rng=self.knobs.load_rng,
-                               fully_parallel_load=self.knobs.fully_parallel_load, verify_checksums=checksums)
+                               fully_parallel_load=self.knobs.fully_parallel_load,
+                               verify_checksums=checksums and trust)
         return {**info, "iteration": choice.iteration, "skipped": choice.skipped, "tracker": choice.tracker}
 
 

@@ -309,7 +309,7 @@ def judge(outcome: Outcome, reference: Uninterrupted, make_policy, *, resident=N
     whole state) or on a new policy from `make_policy`."""
     from harness.checkpoint.checkpointer import Checkpointer
     from harness.checkpoint.errors import CheckpointError
-    from harness.checkpoint.resume_check import MODEL, train_batch
+    from harness.checkpoint.resume_check import MODEL, next_step_diffs, train_batch
     from harness.checkpoint.root import CheckpointRoot, NothingToResume
     from harness.checkpoint.tolerances import crash_tolerance
     from harness.tolerance import CheckResult
@@ -356,15 +356,9 @@ def judge(outcome: Outcome, reference: Uninterrupted, make_policy, *, resident=N
             if info["iteration"] is not None:
                 k = info["iteration"]
                 got = policy.step(train_batch(k))
-                want = reference.stats[k]
-                for key in ("loss", "grad_norm"):
-                    rel = abs(got[key] - want[key]) / max(abs(want[key]), 1.0)
-                    check(f"{key}_rel_diff", rel, f"the step after resuming from {k}: {key} {got[key]!r} vs "
-                          f"{want[key]!r} uninterrupted")
-                state = policy.hf_state_dict()
-                worst = max((state[n].float() - t.float()).abs().max().item()
-                            for n, t in reference.states[k].items())
-                check("param_max_abs_diff", worst, f"weights after the resumed step differ by {worst:g}")
+                for metric, (value, what) in next_step_diffs(got, reference.stats[k], policy.hf_state_dict(),
+                                                             reference.states[k]).items():
+                    check(metric, value, f"resumed from {k}: {what}")
         finally:
             if resident is None:
                 policy.close()

@@ -42,12 +42,28 @@ def _megatron_version() -> str:
         return "unknown"
 
 
+def policy_manifest(policy, partial: Path, position: dict[str, Any], optimizer_format: str, started: float,
+                    **fields: Any) -> Manifest:
+    """The manifest of a checkpoint of `policy` written into `partial` (its files as they are now);
+    `fields` are the optional Manifest fields (iteration, async_save, blocking_s)."""
+    from harness.models import load_hf_config
+
+    manifest = Manifest(
+        model=str(policy.path), model_config=model_fingerprint(load_hf_config(policy.path)),
+        layout=policy.layout.name, world_size=policy.world.size, dtype=policy.config.get("dtype", "fp32"),
+        optimizer_format=optimizer_format, steps_done=position["steps_done"],
+        consumed_samples=position["consumed_samples"], megatron_core=_megatron_version(),
+        files=file_table(partial), **fields)
+    manifest.save_s = round(time.perf_counter() - started, 4)
+    return manifest
+
+
 def save_checkpoint(policy, directory: str | os.PathLike, *, optimizer_format: str = "fully_reshardable",
                     fully_parallel_save: bool = True) -> Manifest:
     """Write `policy`'s model, optimizer, scheduler, RNG and data position to `directory`, which
     must not exist. `optimizer_format="dp_reshardable"` is the shipped buggy variant (reshards
     across DP only)."""
-    from harness.models import load_hf_config
+    from harness.checkpoint.durable import fsync_path, fsync_tree
 
     directory = Path(directory)
     if optimizer_format not in OPTIMIZER_FORMATS:
@@ -61,15 +77,11 @@ def save_checkpoint(policy, directory: str | os.PathLike, *, optimizer_format: s
         started = time.perf_counter()
         position = policy.call("save_checkpoint", str(partial), optimizer_format=optimizer_format,
                                fully_parallel=fully_parallel_save)[0]
-        manifest = Manifest(
-            model=str(policy.path), model_config=model_fingerprint(load_hf_config(policy.path)),
-            layout=policy.layout.name, world_size=policy.world.size,
-            dtype=policy.config.get("dtype", "fp32"), optimizer_format=optimizer_format,
-            steps_done=position["steps_done"], consumed_samples=position["consumed_samples"],
-            megatron_core=_megatron_version(), files=file_table(partial))
-        manifest.save_s = round(time.perf_counter() - started, 4)
+        manifest = policy_manifest(policy, partial, position, optimizer_format, started)
         write_manifest(partial, manifest)
+        fsync_tree(partial)
         os.rename(partial, directory)  # atomic: the checkpoint appears whole
+        fsync_path(directory.parent)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise

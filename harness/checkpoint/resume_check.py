@@ -133,12 +133,21 @@ def resume_and_compare(make_policy: Callable, source: Uninterrupted, target_layo
         after_load(target)
     got = target.step(train_batch(K_STEPS))
     want = source.next_step
-    for key in ("loss", "grad_norm"):
-        rel = abs(got[key] - want[key]) / max(abs(want[key]), 1.0)
-        _check(result, f"{key}_rel_diff", rel, f"next {key}: resumed {got[key]!r} vs uninterrupted {want[key]!r}")
+    for metric, (value, what) in next_step_diffs(got, want, target.hf_state_dict(), source.next_state).items():
+        _check(result, metric, value, what)
     if abs(got["lr"] - want["lr"]) > 1e-12 * abs(want["lr"]):
         result.failures.append(f"next lr: resumed {got['lr']} vs uninterrupted {want['lr']}")
-    state = target.hf_state_dict()
-    worst = max((state[n].float() - t.float()).abs().max().item() for n, t in source.next_state.items())
-    _check(result, "param_max_abs_diff", worst, "weights after the next step: max |diff|")
     return result
+
+
+def next_step_diffs(got: dict[str, Any], want: dict[str, Any], state: dict[str, torch.Tensor],
+                    want_state: dict[str, torch.Tensor]) -> dict[str, tuple[float, str]]:
+    """A resumed step against the uninterrupted one: metric -> (value, what it is), for
+    loss_rel_diff, grad_norm_rel_diff and param_max_abs_diff (the weights after the step)."""
+    diffs = {}
+    for key in ("loss", "grad_norm"):
+        rel = abs(got[key] - want[key]) / max(abs(want[key]), 1.0)
+        diffs[f"{key}_rel_diff"] = (rel, f"next {key}: resumed {got[key]!r} vs uninterrupted {want[key]!r}")
+    worst = max((state[n].float() - t.float()).abs().max().item() for n, t in want_state.items())
+    diffs["param_max_abs_diff"] = (worst, f"weights after the next step: max |diff| {worst:g}")
+    return diffs
