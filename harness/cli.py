@@ -32,6 +32,15 @@ def _parser() -> argparse.ArgumentParser:
                             help="fully_reshardable (default: loadable at any layout) or dp_reshardable "
                                  "(flat buffers of this TP/PP layout: cheaper to build)")
     ckpt_bench.set_defaults(handler="harness.bench.ckpt:main")
+    offload_bench = benches.add_parser("offload", help="offload/reload time and throughput per component vs the "
+                                       "pinned and pageable copy bandwidth, one JSON line")
+    offload_bench.add_argument("--model", default="tiny-qwen3-kv4",
+                               help="zoo name or local HF checkpoint (default tiny-qwen3-kv4)")
+    offload_bench.add_argument("--layout", default=None, help="default dp2 on cpu; cuda: dp2 with 2+ GPUs, else tp1")
+    offload_bench.add_argument("--device", default=None, help="cpu or cuda (default cuda if available, else cpu)")
+    offload_bench.add_argument("--dtype", default="bf16", help="fp32 or bf16 (default bf16)")
+    offload_bench.add_argument("--cycles", type=int, default=3, help="timed cycles per component (default 3)")
+    offload_bench.set_defaults(handler="harness.bench.offload:main")
 
     from harness.parity.cli import add_arguments as parity_arguments
 

@@ -91,6 +91,13 @@ def _position(worker):
 _keys = itertools.count()
 
 
+def _components(params: bool, grads: bool, optimizer: bool) -> list[str]:
+    chosen = [name for name, on in (("params", params), ("grads", grads), ("optimizer", optimizer)) if on]
+    if not chosen:
+        raise ValueError("name at least one component: params=, grads= or optimizer=")
+    return chosen
+
+
 class _Handle:
     kind = "worker"
 
@@ -114,6 +121,11 @@ class _Handle:
     def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
         """`worker.<method>(*args, **kwargs)` on every rank; returns each rank's result."""
         return self.apply(_call_method, method, *args, timeout=timeout, **kwargs)
+
+    def offload_accounting(self) -> list[dict[str, Any]]:
+        """Each rank's `OffloadManager.accounting()`: per component its state, device bytes held
+        now, bytes by theory, host shadow bytes (harness.offload)."""
+        return self.call("offload_accounting")
 
     def close(self) -> None:
         """Free the rank-side worker (idempotent; a restarted world has nothing to free)."""
@@ -152,13 +164,17 @@ class PolicyHandle(_Handle):
         super().__init__(world, layout, model, seed)
         require(config.get("variant"), check="training", layout=self.layout,
                 config=load_hf_config(self.path))
+        require(config.get("offload_variant"), check="offload")
         self.config = dict(config)
         run_in_layout(world, self.layout, _create_policy, self.key, self.path, self.config, seed,
                       model=self.path, seed=None)  # the worker seeds its own streams
 
     def step(self, train_batch) -> dict[str, Any]:
         """One optimizer step on the global batch: loss, grad_norm, lr, micro_batches."""
-        results = self.call("train_step", train_batch)
+        return self._agreed(self.call("train_step", train_batch))
+
+    @staticmethod
+    def _agreed(results: list[dict[str, Any]]) -> dict[str, Any]:
         # Every rank reduces the same global loss and grad norm; a rank that disagrees has trained
         # on something else (a broken group, a wrong shard): fail loudly rather than report rank 0's.
         for rank, result in enumerate(results[1:], start=1):
@@ -199,6 +215,27 @@ class PolicyHandle(_Handle):
         """steps_done, consumed_samples and the current lr (rank 0's; all ranks agree)."""
         return self.apply(_position)[0]
 
+    # A step in pieces (gradient accumulation across calls): begin_step, accumulate, finish_step.
+    def begin_step(self, train_batch) -> None:
+        self.call("begin_step", train_batch)
+
+    def accumulate(self, indices) -> None:
+        """Forward and backward of micro-batches `indices` of each rank's share."""
+        self.call("accumulate", list(indices))
+
+    def finish_step(self) -> dict[str, Any]:
+        return self._agreed(self.call("finish_step"))
+
+    def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> list[list[dict]]:
+        """Free the chosen components on the device (harness.offload: params and optimizer state
+        to one host shadow per storage; grads discarded, refused inside an open accumulation);
+        each rank's rows: component, theory and measured bytes, host shadow bytes."""
+        return self.call("offload", _components(params, grads, optimizer))
+
+    def reload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> list[list[dict]]:
+        """Bring the chosen components back (grads as zeros); each rank's rows."""
+        return self.call("reload", _components(params, grads, optimizer))
+
 
 class ReferenceHandle(_Handle):
     """A frozen Megatron model (old-policy or reference logprobs) resident on every rank."""
@@ -217,3 +254,10 @@ class ReferenceHandle(_Handle):
 
         logprobs, _ = assemble(self.call("logprobs", batch, micro_batches))
         return logprobs
+
+    def offload(self, params: bool = True) -> list[list[dict]]:
+        """Free the frozen params on the device (one host shadow per storage); each rank's rows."""
+        return self.call("offload", _components(params, False, False))
+
+    def reload(self, params: bool = True) -> list[list[dict]]:
+        return self.call("reload", _components(params, False, False))

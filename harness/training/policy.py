@@ -59,6 +59,7 @@ class PolicyConfig:
     deterministic: bool = False  # deterministic kernels in the step (CUDA: e.g. embedding backward)
     loss_kwargs: dict[str, Any] = field(default_factory=dict)  # to rl_loss
     variant: str | None = None  # a training variant of the catalog (harness.variants)
+    offload_variant: str | None = None  # an offload variant of the catalog (harness.offload)
 
 
 # The training variants of the catalog (harness.variants) this worker implements.
@@ -82,10 +83,15 @@ class PolicyWorker:
                  seed: int = DEFAULT_SEED, **overrides: Any) -> None:
         from harness.checkpoint.async_save import RankSaver
 
+        from harness.launch import context
+        from harness.offload import OffloadManager
+
         self.rng = RNGStreams.seeded(seed)
         self.saver = RankSaver()  # this worker's checkpoint writes (one async save in flight)
+        self.accumulating: _Pending | None = None  # an open begin_step .. finish_step
         with self.rng.active():  # building draws from the streams (e.g. initializers)
             self._build(path, config, sequence_parallel, overrides)
+        self.offloader = OffloadManager(self, context().device, self.config.offload_variant)
 
     def _build(self, path, config: PolicyConfig | None, sequence_parallel: bool,
                overrides: dict[str, Any]) -> None:
@@ -103,6 +109,7 @@ class PolicyWorker:
                 raise TypeError(f"unknown PolicyConfig field {key!r}")
             setattr(config, key, value)
         require(config.variant, check="training")
+        require(config.offload_variant, check="offload")
         if config.dtype not in DTYPES:
             raise ValueError(f"unknown policy dtype {config.dtype!r}; choose from {sorted(DTYPES)}")
         if not 0.0 <= config.dropout < 1.0:
@@ -149,9 +156,54 @@ class PolicyWorker:
 
     def train_step(self, train_batch: RLTrainBatch) -> dict[str, Any]:
         """One optimizer step on the GLOBAL train_batch (identical on every rank)."""
-        from harness.launch import context
+        pending = self._prepare(train_batch, "a training step")
+        with _deterministic(self.config.deterministic):
+            self._backward(pending, range(len(pending.micros)), finalize=True)
+            return self._update(pending)
+
+    # A step in pieces, for gradient accumulation across calls (and offloads in between):
+    # begin_step, accumulate(indices) until every micro-batch is in, finish_step. Equal to
+    # train_step bit for bit when the micro-batch count is a power of two (the loss scale of
+    # each piece is then an exact power-of-two rescaling of the whole step's).
+    def begin_step(self, train_batch: RLTrainBatch) -> None:
+        self.accumulating = self._prepare(train_batch, "begin_step")
+
+    def accumulate(self, indices) -> None:
+        """Forward and backward of these micro-batches (of this rank's share) into the grads."""
+        pending = self._open("accumulate")
+        indices = list(indices)
+        bad = [i for i in indices if not 0 <= i < len(pending.micros) or i in pending.done]
+        if bad or not indices:
+            raise ValueError(f"micro-batches {indices} of {len(pending.micros)}: each once, "
+                             f"{sorted(pending.done)} already done")
+        with _deterministic(self.config.deterministic):
+            self._backward(pending, indices, finalize=False)
+
+    def finish_step(self) -> dict[str, Any]:
+        """Reduce the accumulated grads and take the optimizer step."""
+        pending = self._open("finish_step")
+        if len(pending.done) != len(pending.micros):
+            raise RuntimeError(f"finish_step before every micro-batch was accumulated: "
+                               f"{sorted(pending.done)} of {len(pending.micros)}")
+        with _deterministic(self.config.deterministic):
+            finalize = self.model_config.finalize_model_grads_func
+            if finalize is not None:  # what the schedule does after its last backward
+                finalize(list(self.models), None)
+            self.accumulating = None
+            return self._update(pending)
+
+    def _open(self, what: str) -> "_Pending":
+        self.offloader.require("params", "grads", "optimizer", what=what)
+        if self.accumulating is None:
+            raise RuntimeError(f"{what} needs an open step: call begin_step first")
+        return self.accumulating
+
+    def _prepare(self, train_batch: RLTrainBatch, what: str) -> "_Pending":
         from harness.logprobs.micro_batches import split_micro_batches
 
+        self.offloader.require("params", "grads", "optimizer", what=what)
+        if self.accumulating is not None:
+            raise RuntimeError(f"{what} with a step open (begin_step without finish_step)")
         ps = self.ps
         n_micro = self.config.micro_batches
         dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -159,39 +211,55 @@ class PolicyWorker:
         local = train_batch.split(dp_size)[dp_rank]
         micros = split_micro_batches(local.batch, n_micro)  # checks the count divides the rows
         parts = local.split(n_micro)  # the same rows, with their advantages, old logprobs, ...
-        # Undo Megatron's loss /= num_microbatches, loss *= cp and the DDP 1/dp grad pre-scaling:
-        # per-part losses are already normalised by the global counts, so grads must simply add.
-        # (Megatron multiplies by cp_size and DDP divides by dp_size * cp_size: cp cancels.)
-        scale = float(n_micro * dp_size)
-        if self.config.variant == "grad-times-microbatches":
-            scale *= n_micro
-
         for model in self.models:
             model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        with _deterministic(self.config.deterministic):
-            return self._step(train_batch, micros, parts, scale, tokens_total, seqs_total,
-                              context().device)
+        return _Pending(train_batch, micros, parts, tokens_total, seqs_total, dp_size)
 
-    def _step(self, train_batch, micros, parts, scale, tokens_total, seqs_total, device) -> dict[str, Any]:
-        import torch.distributed as dist
-
+    def _backward(self, pending: "_Pending", indices, finalize: bool) -> None:
+        """Forward and backward of micro-batches `indices` through Megatron's schedule; the
+        schedule reduces the grads at its end only with `finalize`."""
+        from harness.launch import context
         from harness.logprobs.schedule import run_schedule, token_logprobs
 
-        ps = self.ps
-        local_losses: dict[int, torch.Tensor] = {}
+        indices = list(indices)
+        device = context().device
+        # Undo Megatron's loss /= num_microbatches (of this schedule call), loss *= cp and the DDP
+        # 1/dp grad pre-scaling: per-part losses are already normalised by the global counts, so
+        # grads must simply add. (Megatron multiplies by cp_size, DDP divides by dp_size * cp_size.)
+        scale = float(len(indices) * pending.dp_size)
+        if self.config.variant == "grad-times-microbatches":
+            scale *= len(indices)
 
-        def loss_for(index, micro, tokens):
+        def loss_for(local_index, micro, tokens):
+            index = indices[local_index]
+
             def loss_func(logits: torch.Tensor):
                 logprobs = token_logprobs(logits, tokens, micro, self.true_vocab)
-                loss, _ = rl_loss(logprobs, parts[index], global_token_count=tokens_total,
-                                  global_seq_count=seqs_total, **self.config.loss_kwargs)
-                local_losses[index] = loss.detach()
+                loss, _ = rl_loss(logprobs, pending.parts[index], global_token_count=pending.tokens_total,
+                                  global_seq_count=pending.seqs_total, **self.config.loss_kwargs)
+                pending.losses[index] = loss.detach()
                 return (loss * scale).to(device), {"loss": loss.detach()}
 
             return loss_func
 
-        run_schedule(self.models, micros, loss_for, forward_only=False)
+        saved = self.model_config.finalize_model_grads_func
+        if not finalize:
+            self.model_config.finalize_model_grads_func = None
+        try:
+            run_schedule(self.models, [pending.micros[i] for i in indices], loss_for, forward_only=False)
+        finally:
+            self.model_config.finalize_model_grads_func = saved
+        pending.done.update(indices)
+
+    def _update(self, pending: "_Pending") -> dict[str, Any]:
+        import torch.distributed as dist
+
+        from harness.launch import context
+
+        ps = self.ps
+        device = context().device
+        local_losses = pending.losses
         lr = self.lr
         success, grad_norm, _num_zeros = self.optimizer.step()
         if not success:
@@ -202,15 +270,15 @@ class PolicyWorker:
         last = ps.is_pipeline_last_stage(ignore_virtual=True)
         value = torch.zeros((), dtype=torch.float64, device=device)
         if last:
-            value += sum(float(local_losses[i]) for i in range(len(micros)))
+            value += sum(float(local_losses[i]) for i in range(len(pending.micros)))
         dist.all_reduce(value, group=ps.get_data_parallel_group())
         if ps.get_pipeline_model_parallel_world_size() > 1:
             dist.broadcast(value, src=ps.get_pipeline_model_parallel_last_rank(),
                            group=ps.get_pipeline_model_parallel_group())
         self.steps_done += 1
-        self.consumed_samples += train_batch.batch_size
+        self.consumed_samples += pending.train_batch.batch_size
         return {"loss": float(value), "grad_norm": float(grad_norm), "lr": lr,
-                "micro_batches": self._micro_batch_stats(local_losses, parts, last, device)}
+                "micro_batches": self._micro_batch_stats(local_losses, pending.parts, last, device)}
 
     def _micro_batch_stats(self, local_losses, parts, last: bool, device) -> list[dict[str, Any]]:
         """Every micro-batch of the global batch, in (dp rank, index) order: its contribution to
@@ -236,6 +304,7 @@ class PolicyWorker:
         """The full HF state dict (call on every rank at once)."""
         from harness.bridge import export_hf_state_dict
 
+        self.offloader.require("params", what="a weight export")
         return export_hf_state_dict(self.models)
 
     @torch.no_grad()
@@ -246,6 +315,7 @@ class PolicyWorker:
         all-reduces pair up."""
         import torch.distributed as dist
 
+        self.offloader.require("params", "optimizer", what="reading the main params")
         group = self.ps.get_data_parallel_group()
         optimizers = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
         full_params = {}
@@ -312,6 +382,7 @@ class PolicyWorker:
         ``rng_state`` (this worker's RNG streams, per rank)."""
         if optimizer_format not in OPTIMIZER_FORMATS:
             raise ValueError(f"unknown optimizer format {optimizer_format!r}; choose from {OPTIMIZER_FORMATS}")
+        self.offloader.require("params", "optimizer", what="a checkpoint save or load")
         ps = self.ps
         chunks = self._chunks()
         state: dict[str, Any] = {}
@@ -337,12 +408,26 @@ class PolicyWorker:
         With async_save the write continues in a forked writer after this returns, from a snapshot
         of the state now; `finalize_checkpoints` completes it. The directory's atomicity, manifest
         and tracker are the parent's (harness.checkpoint)."""
+        from harness.compat.megatron_core import ensure_optimizer_state
+
+        self.offloader.require("params", "optimizer", what="a checkpoint save")
+        ensure_optimizer_state(self.optimizer)  # a never-stepped policy saves its zero Adam state
         started = time.perf_counter()
         state = self.sharded_state_dict(optimizer_format)
         built = time.perf_counter() - started
         timings = save_sharded(self.saver, state, directory, optimizer_format, fully_parallel,
                                async_save=async_save, iteration=iteration, allow_overlap=allow_overlap)
         return {**self.position(), "timings": {"state_dict_s": built, **timings}}
+
+    # ------------------------------------------------- offload (harness.offload)
+    def offload(self, components) -> list[dict[str, Any]]:
+        return self.offloader.offload(tuple(components))
+
+    def reload(self, components) -> list[dict[str, Any]]:
+        return self.offloader.reload(tuple(components))
+
+    def offload_accounting(self) -> dict[str, Any]:
+        return self.offloader.accounting()
 
     def finalize_checkpoints(self, blocking: bool = False) -> dict[str, Any]:
         """Complete the async saves whose writes are done on every rank (collective);
@@ -373,6 +458,7 @@ class PolicyWorker:
         which is why the parent refuses every checkpoint it can tell will not load first."""
         from harness.compat.megatron_core import ensure_optimizer_state, load_optimizer_state_dict
 
+        self.offloader.require("params", "optimizer", what="a checkpoint load")
         ensure_optimizer_state(self.optimizer)
         template = self.sharded_state_dict(optimizer_format, is_loading=True, with_rng=load_rng)
         loaded = load_sharded(template, directory, fully_parallel)
@@ -386,6 +472,20 @@ class PolicyWorker:
         if load_rng:
             self.rng.replace(loaded["rng_state"])
         return self.position()
+
+
+@dataclass
+class _Pending:
+    """A step under way: its global batch, this rank's micro-batches, what is accumulated."""
+
+    train_batch: RLTrainBatch
+    micros: list
+    parts: list
+    tokens_total: int
+    seqs_total: int
+    dp_size: int
+    done: set = field(default_factory=set)
+    losses: dict = field(default_factory=dict)
 
 
 @contextmanager

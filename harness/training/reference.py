@@ -20,6 +20,8 @@ class ReferenceWorker:
     def __init__(self, path, *, dtype: torch.dtype = torch.float32, sequence_parallel: bool = False,
                  seed: int = DEFAULT_SEED):
         from harness.bridge import load_megatron_model
+        from harness.launch import context
+        from harness.offload import OffloadManager
 
         self.rng = RNGStreams.seeded(seed)
         with self.rng.active():
@@ -27,10 +29,21 @@ class ReferenceWorker:
         for model in self.models:
             model.eval()
             model.requires_grad_(False)  # frozen: a reference model must never receive updates
+        self.offloader = OffloadManager(self, context().device)  # params only
 
     @torch.no_grad()
     def logprobs(self, batch: RLBatch, micro_batches: int = 1) -> RankLogprobs:
+        self.offloader.require("params", what="reference logprobs")
         return megatron_logprobs(self.models, batch, micro_batches=micro_batches)
+
+    def offload(self, components) -> list[dict]:
+        return self.offloader.offload(tuple(components))
+
+    def reload(self, components) -> list[dict]:
+        return self.offloader.reload(tuple(components))
+
+    def offload_accounting(self) -> dict:
+        return self.offloader.accounting()
 
 
 def reference_logprobs(layout, path, batch: RLBatch, micro_batches: int = 1,

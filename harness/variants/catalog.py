@@ -16,21 +16,25 @@ Components:
   checkpoint  save/resume (harness.checkpoint)
   rotation    a checkpoint root: async save, tracker, rotation, resume choice
               (harness.checkpoint.checkpointer; caught by crash injection, harness.checkpoint.crash)
+  offload     offload/reload of the policy's params, grads and optimizer state
+              (harness.offload.manager; caught by the round trip's exact accounting,
+              harness.offload.check)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
-Component = Literal["bridge", "logprobs", "training", "checkpoint", "rotation"]
+Component = Literal["bridge", "logprobs", "training", "checkpoint", "rotation", "offload"]
 Kind = Literal["negative-control", "upstream-bug"]
-COMPONENTS: tuple[str, ...] = ("bridge", "logprobs", "training", "checkpoint", "rotation")
+COMPONENTS: tuple[str, ...] = ("bridge", "logprobs", "training", "checkpoint", "rotation", "offload")
 # Which components each check runs (the parity check covers the weights and the feeding).
 CHECKS: dict[str, tuple[str, ...]] = {
     "parity": ("bridge", "logprobs"),
     "training": ("training",),
     "checkpoint": ("checkpoint",),
     "crash-safety": ("rotation",),
+    "offload": ("offload",),
 }
 
 
@@ -55,6 +59,8 @@ class Variant:
     model: str = "tiny-qwen3"  # the zoo model it shows on (checkpoint checks use their own)
     # (source layout, target layout) -> None, or why a resume between them cannot show it.
     pair_requires: Callable[[Any, Any], str | None] | None = None
+    # The dtypes it can show in (a bug in what only bf16 has, e.g. separate fp32 master params).
+    dtypes: tuple[str, ...] = ("fp32", "bf16")
 
     def why_not(self, layout, config) -> str | None:
         return self.requires(layout, config) if self.requires else None
@@ -251,7 +257,50 @@ _ROTATION: tuple[Variant, ...] = (
             upstream="Megatron-LM read_metadata / verl find_latest_ckpt_path (tracker only)",
             default_layout="dp2", options=(("async_save", True), ("keep", 2), ("crash", "tracker-rename"))),
 )
-_ENTRIES = _ENTRIES + _ROTATION
+
+# Offload variants run the offload round trip (harness.offload.check) on a policy after a step.
+_OFFLOAD: tuple[Variant, ...] = (
+    Variant("grad-size-not-recorded", "offload", "upstream-bug",
+            "grad offload resizes the storage to 0 without recording its size; the reload restores "
+            "only storages whose size is > 0, so never",
+            "the next backward writes into a 0-byte storage (CUDA: illegal access; CPU: a segfault)",
+            "offload round trip: restored_minus_theory_bytes (grads restore 0 bytes)",
+            upstream="SkyRL PR 563 (intermediate commit bdccdb529)", default_layout="dp2"),
+    Variant("hasattr-guard", "offload", "upstream-bug",
+            "the grad reload is guarded by hasattr(buffer, 'grad_data_size'), which megatron-core 0.16 "
+            "sets to 0 in __init__: a reload with no offload before it resizes live grads to 0",
+            "a reload before any offload frees the live gradients",
+            "reload with no offload before it: noop_changed_bytes",
+            upstream="SkyRL issue 905 (the guard) and 1266 (its failure under megatron-core 0.16); verl "
+                     "load_megatron_model_to_gpu", default_layout="dp2"),
+    Variant("rebind-not-storage", "offload", "upstream-bug",
+            "params offloaded by rebinding (buffer.param_data = param_data.to('cpu')) instead of "
+            "freeing the storage: every parameter view keeps the device storage alive",
+            "offload frees nothing; on CUDA the reload allocates a second copy the parameters do not see",
+            "offload round trip: freed_minus_theory_bytes (0 freed)",
+            upstream="SkyRL PR 223, verl PR 6447 (param.data = param.data.to('cpu'))", default_layout="dp2"),
+    Variant("repin-each-offload", "offload", "upstream-bug",
+            "a new (pinned) host shadow is allocated on every offload while the previous one is alive",
+            "2x peak host memory; the pod is OOM-killed after a few steps",
+            "two offload cycles: shadow_reallocations and peak_host_over_shadow_bytes",
+            upstream="verl PR 6193 (cpu().pin_memory() on every offload)", default_layout="dp2"),
+    Variant("master-params-left", "offload", "upstream-bug",
+            "optimizer offload by a key list (exp_avg, exp_avg_sq) instead of a walk: the fp32 master "
+            "params of a bf16 model stay on the device",
+            "offload frees 2/3 of the optimizer state; the rollout engine OOMs",
+            "offload round trip: freed_minus_theory_bytes and held_after_offload_bytes (bf16)",
+            upstream="verl PR 6635 (master weights not offloaded)", default_layout="dp2", dtypes=("bf16",)),
+    Variant("mcore-optimizer-offload", "offload", "upstream-bug",
+            "the optimizer offloaded with megatron-core's MegatronOptimizer.offload_to_cpu / "
+            "restore_from_cpu (p.data = p.data.cpu(), pageable)",
+            "CPU tier: frees nothing (is_cuda is False). CUDA fp32: the main shards are views of the "
+            "param buffer, so nothing of them is freed and the restore allocates a second copy "
+            "(aliasing lost); CUDA: the restore moves Adam's host `step` to the device",
+            "offload round trip: freed_minus_theory_bytes (CPU), round_trip_residual_bytes and "
+            "aliasing_broken (CUDA)",
+            upstream="megatron-core 0.16.1 optimizer.py:344-380 (found by this harness)", default_layout="dp2"),
+)
+_ENTRIES = _ENTRIES + _ROTATION + _OFFLOAD
 
 CATALOG: dict[str, Variant] = {v.id: v for v in _ENTRIES}
 
@@ -269,7 +318,7 @@ def for_components(*components: str) -> list[Variant]:
 
 def require(variant_id: str | None, *, check: str, layout=None, config=None) -> Variant | None:
     """The entry for `variant_id` after checking that `check` ("parity", "training",
-    "checkpoint") runs its component and that it applies to `layout` and `config` (when given);
+    "checkpoint", "crash-safety", "offload") runs its component and that it applies to `layout` and `config` (when given);
     None for no variant. Raises VariantError: one clear error before any work."""
     if variant_id is None:
         return None

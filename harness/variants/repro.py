@@ -185,9 +185,20 @@ def _crash_safety(variant: Variant, layout: str, dtype: str, runner: Runner) -> 
     return run(variant.id), run(None)
 
 
+def _offload(variant: Variant, layout: str, dtype: str, runner: Runner) -> tuple[Run, Run]:
+    """The offload round trip (harness.offload.check) with the variant, beside the fixed path."""
+    from harness.offload.check import round_trip
+
+    def run(variant_id):
+        result = round_trip(runner.make_policy, layout, dtype, variant=variant_id, device=runner.device)
+        return Run(result.passed, result.checks, result.summary(), result.rows())
+
+    return run(variant.id), run(None)
+
+
 _CHECKS: dict[str, Callable[[Variant, str, str, Runner], tuple[Run, Run]]] = {
     "bridge": _parity, "logprobs": _parity, "training": _training, "checkpoint": _checkpoint,
-    "rotation": _crash_safety,
+    "rotation": _crash_safety, "offload": _offload,
 }
 
 
@@ -208,6 +219,8 @@ def preflight(variant_id: str, layout: str | None, dtype: str, world_size_limit:
     variant = get(variant_id)
     if dtype not in DTYPES:
         raise VariantError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if dtype not in variant.dtypes:
+        raise VariantError(f"variant {variant.id!r} shows in {', '.join(variant.dtypes)} only, not {dtype}")
     layout = layout or variant.default_layout
     config = load_hf_config(_model(variant))
     names = _pair(layout) if variant.component == "checkpoint" else (layout,)
@@ -233,6 +246,10 @@ def preflight(variant_id: str, layout: str | None, dtype: str, world_size_limit:
 def _model(variant: Variant) -> str:
     if variant.component == "checkpoint":
         from harness.checkpoint.resume_check import MODEL
+
+        return MODEL
+    if variant.component == "offload":
+        from harness.offload.check import MODEL
 
         return MODEL
     return variant.model

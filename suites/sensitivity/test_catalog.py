@@ -12,6 +12,7 @@ import pytest
 
 from harness.checkpoint.checkpointer import IMPLEMENTED as ROTATION
 from harness.checkpoint.manager import IMPLEMENTED as CHECKPOINT
+from harness.offload import IMPLEMENTED as OFFLOAD
 from harness.parity.variants import IMPLEMENTED as PARITY
 from harness.training.policy import IMPLEMENTED as TRAINING
 from harness.variants import CATALOG, COMPONENTS, VariantError, for_components, require
@@ -29,6 +30,7 @@ def test_each_component_implements_exactly_its_entries():
     assert set(TRAINING) == ids["training"]
     assert set(CHECKPOINT) == ids["checkpoint"]
     assert set(ROTATION) == ids["rotation"]
+    assert set(OFFLOAD) == ids["offload"]
 
 
 def test_every_entry_says_what_it_is():
