@@ -157,6 +157,18 @@ def residual(worker) -> dict[str, Any]:
             "largest": items[:8], "held": {c: inventory.held(worker, c, device) for c in worker.offloader.components}}
 
 
+def live_workers(*_) -> dict[str, int]:
+    """Rank function: workers still alive in this rank process (before any gc) and the device
+    bytes allocated. A closed handle's worker must be freed by reference counting at once."""
+    import gc
+
+    from harness.training.policy import PolicyWorker
+    from harness.training.reference import ReferenceWorker
+
+    alive = sum(isinstance(o, (PolicyWorker, ReferenceWorker)) for o in gc.get_objects())
+    return {"workers": alive, "allocated_bytes": torch.cuda.memory_allocated() if torch.cuda.is_available() else 0}
+
+
 def _device_total(accounting: dict[str, Any]) -> int:
     return accounting.get("allocated_bytes", sum(accounting[c]["held_bytes"] for c in COMPONENTS))
 

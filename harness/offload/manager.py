@@ -30,6 +30,7 @@ Each offload/reload returns one row per component: the bytes by theory, the byte
 from __future__ import annotations
 
 import gc
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,7 +78,7 @@ class OffloadManager:
     reference: params). `variant` is an offload variant of the catalog (a known bug, on purpose)."""
 
     def __init__(self, worker, device: torch.device, variant: str | None = None) -> None:
-        self.worker = worker
+        self._worker = weakref.ref(worker)  # no cycle: a dropped worker frees its device memory at once
         self.device = torch.device(device)
         self.variant = variant
         self.components = inventory.POLICY if hasattr(worker, "optimizer") else inventory.REFERENCE
@@ -85,6 +86,10 @@ class OffloadManager:
         self.shadows: dict[str, torch.Tensor] = {}  # slot name -> host bytes, allocated once
         self.allocations: Counter = Counter()  # slot name -> host shadows allocated for it
         self.peak_host_bytes = 0
+
+    @property
+    def worker(self):
+        return self._worker()
 
     # ----------------------------------------------------------------- residency
     def offloaded(self) -> list[str]:

@@ -100,6 +100,24 @@ def test_an_offload_after_a_save_frees_what_it_frees_without_one(policy, device,
     ckpt.close()
 
 
+def test_a_closed_policy_frees_its_device_memory_at_once(policy, device):
+    """No reference cycle keeps a worker (and its device memory) alive after its handle closes:
+    the persistent world runs test after test, and the cyclic gc may not run in between."""
+    from harness.offload.check import live_workers
+
+    worker = policy(layout_for(device), MODEL, **CONFIG)
+    before = worker.world.run(live_workers)
+    worker.step(train_batch(0))
+    worker.offload()
+    worker.reload()
+    worker.close()
+    after = worker.world.run(live_workers)
+    for rank, (b, a) in enumerate(zip(before, after)):
+        assert a["workers"] == b["workers"] - 1, (rank, b, a)
+        if device == "cuda":
+            assert a["allocated_bytes"] < b["allocated_bytes"], (rank, b, a)
+
+
 def test_bad_requests_are_one_clear_error(policy, reference, device):
     worker = policy("tp1", MODEL, **CONFIG)
     with pytest.raises(ValueError, match="name at least one component"):
