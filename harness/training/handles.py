@@ -18,6 +18,7 @@ change nothing, and a checkpoint's restored RNG state is what the next step uses
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import math
 import os
@@ -67,7 +68,12 @@ def _drop(layout: Layout, key: str) -> None:
     saver = getattr(worker, "saver", None)
     if saver is not None and saver.pending():  # a save never finalized: no writer outlives its worker
         saver.abort()
-    if worker is not None and torch.cuda.is_available():
+    del worker
+    # Megatron's model config holds bound methods of the DDP model (no_sync_func) and of the
+    # optimizer (grad_scale_func): cycles, so the worker's device memory would wait for the cyclic
+    # gc, and the next test in this rank would measure or OOM against it.
+    gc.collect()
+    if torch.cuda.is_available():
         torch.cuda.empty_cache()  # hand the freed model and optimizer memory back
 
 

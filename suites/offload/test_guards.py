@@ -101,21 +101,23 @@ def test_an_offload_after_a_save_frees_what_it_frees_without_one(policy, device,
 
 
 def test_a_closed_policy_frees_its_device_memory_at_once(policy, device):
-    """No reference cycle keeps a worker (and its device memory) alive after its handle closes:
-    the persistent world runs test after test, and the cyclic gc may not run in between."""
+    """Closing a handle frees its worker and, on CUDA, at least the bytes its components held, at
+    once: the persistent world runs test after test, and the cyclic gc may not run in between
+    (Megatron's model config holds bound methods of the model and the optimizer: cycles)."""
     from harness.offload.check import live_workers
 
     worker = policy(layout_for(device), MODEL, **CONFIG)
-    before = worker.world.run(live_workers)
     worker.step(train_batch(0))
     worker.offload()
     worker.reload()
+    held = [sum(a[c]["theory_device_bytes"] for c in ("params", "grads", "optimizer")) for a in worker.offload_accounting()]
+    before = worker.world.run(live_workers)
     worker.close()
     after = worker.world.run(live_workers)
     for rank, (b, a) in enumerate(zip(before, after)):
         assert a["workers"] == b["workers"] - 1, (rank, b, a)
         if device == "cuda":
-            assert a["allocated_bytes"] < b["allocated_bytes"], (rank, b, a)
+            assert b["allocated_bytes"] - a["allocated_bytes"] >= held[rank] > 0, (rank, b, a, held[rank])
 
 
 def test_bad_requests_are_one_clear_error(policy, reference, device):
