@@ -158,15 +158,21 @@ def residual(worker) -> dict[str, Any]:
 
 
 def live_workers(*_) -> dict[str, int]:
-    """Rank function: workers still alive in this rank process (before any gc) and the device
-    bytes allocated. A closed handle's worker must be freed by reference counting at once."""
+    """Rank function: workers still alive in this rank process (no gc run first), the bytes the
+    DDP buffers alive in it hold, and the device bytes allocated."""
     import gc
+
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
 
     from harness.training.policy import PolicyWorker
     from harness.training.reference import ReferenceWorker
 
-    alive = sum(isinstance(o, (PolicyWorker, ReferenceWorker)) for o in gc.get_objects())
-    return {"workers": alive, "allocated_bytes": torch.cuda.memory_allocated() if torch.cuda.is_available() else 0}
+    objects = gc.get_objects()
+    buffers = [o for o in objects if isinstance(o, _ParamAndGradBuffer)]
+    held = sum(t.untyped_storage().nbytes() for b in buffers for t in (b.param_data, b.grad_data) if t is not None)
+    return {"workers": sum(isinstance(o, (PolicyWorker, ReferenceWorker)) for o in objects),
+            "ddp_buffer_bytes": held,
+            "allocated_bytes": torch.cuda.memory_allocated() if torch.cuda.is_available() else 0}
 
 
 def _device_total(accounting: dict[str, Any]) -> int:

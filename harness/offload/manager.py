@@ -295,6 +295,16 @@ class OffloadManager:
             out["allocated_bytes"] = torch.cuda.memory_allocated(self.device)
         return out
 
+    def discard(self) -> None:
+        """Free every device storage of every component, without a copy, for a worker being
+        dropped (a reference cycle in megatron-core's DDP keeps the objects alive). The worker
+        is unusable after this."""
+        for component in self.components:
+            for _, tensor in inventory.storages(self.worker, component).on(self.device).by_id.values():
+                tensor.untyped_storage().resize_(0)
+            self.table[component].offloaded = True
+        self.shadows.clear()
+
     def clear_caches(self) -> None:
         """Drop the device caches no component owns (before measuring the residual of a full
         offload): RoPE's per-length cache, Megatron's global memory buffer, cuBLAS workspaces."""

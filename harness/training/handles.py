@@ -68,10 +68,13 @@ def _drop(layout: Layout, key: str) -> None:
     saver = getattr(worker, "saver", None)
     if saver is not None and saver.pending():  # a save never finalized: no writer outlives its worker
         saver.abort()
+    if worker is not None and hasattr(worker, "optimizer"):
+        # megatron-core 0.16.1's DDP registers backward hooks that close over the DDP module on
+        # AccumulateGrad nodes its parameters keep alive: a cycle through C++ autograd nodes that
+        # the gc cannot collect (found here: every policy the persistent world built stayed
+        # allocated). The objects leak; their device memory does not: free every storage now.
+        worker.offloader.discard()
     del worker
-    # Megatron's model config holds bound methods of the DDP model (no_sync_func) and of the
-    # optimizer (grad_scale_func): cycles, so the worker's device memory would wait for the cyclic
-    # gc, and the next test in this rank would measure or OOM against it.
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # hand the freed model and optimizer memory back
