@@ -10,7 +10,8 @@ test_parity_regimes.py), training vs the single-process ground truth (training v
 the replicas' exact consistency catches what the loose bf16 weight bound cannot), resume vs the
 uninterrupted run (checkpoint variants; bit for bit at the same layout). Across layouts a resume is
 held to the training bounds, so shared-adam-step's 2.5e-4 weight drift is shown there in fp32 only.
-CI runs every entry in fp32 everywhere and, but for the rotation variants, in bf16 at tp2 (or where
+CI runs every entry in fp32 everywhere (a bf16-only entry in bf16) and, but for the rotation and
+offload variants, in bf16 at tp2 (or where
 the entry shows only elsewhere); bf16 at pp2/dp2 and the rotation variants in bf16 run nightly
 (`--mrh-nightly`).
 """
@@ -36,7 +37,8 @@ ONE_GPU = {"bridge": "tp1", "logprobs": "tp1", "training": "tp1", "checkpoint": 
 # operations, the same in either dtype; CI runs them in fp32, the nightly run in bf16 too.
 ROTATION_WHERE = [("dp2", DTYPES)]
 NIGHTLY_ONLY = {("rotation", "bf16")}
-# Offload variants (the round trip, harness.offload.check): dp2 in both dtypes, in CI.
+# Offload variants (the round trip, harness.offload.check): dp2; CI runs each in the first dtype it
+# claims (fp32, or bf16 for a bf16-only entry), the nightly run the other too.
 OFFLOAD_WHERE = [("dp2", DTYPES)]
 
 
@@ -60,6 +62,8 @@ def _nightly(variant, where: str, dtype: str, device: str) -> bool:
     entries that also show at tp2 in bf16, so they still run in CI in both dtypes."""
     if (variant.component, dtype) in NIGHTLY_ONLY:
         return True
+    if variant.component == "offload":
+        return device == "cpu" and dtype != variant.dtypes[0]
     return (device == "cpu" and dtype == "bf16" and variant.component in WHERE and where != "tp2"
             and _applies(variant.id, "tp2", dtype))
 
