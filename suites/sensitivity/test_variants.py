@@ -11,9 +11,8 @@ the replicas' exact consistency catches what the loose bf16 weight bound cannot)
 uninterrupted run (checkpoint variants; bit for bit at the same layout). Across layouts a resume is
 held to the training bounds, so shared-adam-step's 2.5e-4 weight drift is shown there in fp32 only.
 CI runs every entry in fp32 everywhere (a bf16-only entry in bf16) and, but for the rotation and
-offload variants, in bf16 at tp2 (or where
-the entry shows only elsewhere); bf16 at pp2/dp2 and the rotation variants in bf16 run nightly
-(`--mrh-nightly`).
+offload variants, in bf16 at tp2 (or where the entry shows only elsewhere); bf16 at pp2/dp2 and the
+rotation and offload variants in bf16 run nightly (`--mrh-nightly`).
 """
 from __future__ import annotations
 
