@@ -126,6 +126,12 @@ class CheckResult(NamedTuple):
     def margin(self) -> float:
         return self.tolerance.margin(self.value)
 
+    @classmethod
+    def judge(cls, metric: str, value: float, bound: Tolerance) -> "CheckResult":
+        """`value` of `metric` held to `bound`."""
+        value = float(value)
+        return cls(metric, value, bound, bound.passes(value))
+
 
 def separation(checks: Iterable[CheckResult]) -> float:
     """How far the worst metric of a failing comparison is past its bound (see `Tolerance.margin`):

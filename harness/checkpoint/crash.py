@@ -318,7 +318,7 @@ def judge(outcome: Outcome, reference: Uninterrupted, make_policy, *, resident=N
 
     def check(metric: str, value: float, what: str) -> None:
         bound = crash_tolerance(metric)
-        result = CheckResult(metric, float(value), bound, bound.passes(float(value)))
+        result = CheckResult.judge(metric, value, bound)
         verdict.checks.append(result)
         if not result.passed:
             verdict.failures.append(f"{what} ({metric} {value:g}, bound {bound.limit:g})")

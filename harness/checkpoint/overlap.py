@@ -104,7 +104,7 @@ def overlapping_saves(make_policy, layout: str, root: str | Path, *, dtype: str 
         finally:
             target.close()
     bound = crash_tolerance("checkpoints_unloadable")
-    result.checks.append(CheckResult("checkpoints_unloadable", float(bad), bound, bound.passes(float(bad))))
+    result.checks.append(CheckResult.judge("checkpoints_unloadable", bad, bound))
     if bad:
         result.failures.append(f"{bad} of 2 checkpoints do not load the weights they were saved from "
                                f"(checkpoints_unloadable {bad}, bound 0)")

@@ -103,7 +103,7 @@ class ResumeResult:
 
 def _check(result: ResumeResult, metric: str, value: float, what: str) -> None:
     bound = resume_tolerance(metric, result.dtype, same_layout=result.same_layout)
-    check = CheckResult(metric, float(value), bound, bound.passes(float(value)))
+    check = CheckResult.judge(metric, value, bound)
     result.checks.append(check)
     if not check.passed:
         result.failures.append(f"{what}: {value:.3g} (bound {bound.kind} {bound.limit:g})")

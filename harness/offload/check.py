@@ -92,7 +92,7 @@ class RoundTrip:
 
     def check(self, metric: str, value: float, detail: str = "") -> None:
         bound = offload_tolerance(metric, self.dtype)
-        result = CheckResult(metric, float(value), bound, bound.passes(float(value)))
+        result = CheckResult.judge(metric, value, bound)
         self.checks.append(result)
         if not result.passed:
             self.failures.append(f"{metric}={value:g}" + (f" ({detail})" if detail else ""))

@@ -83,8 +83,9 @@ class OffloadManager:
         self.variant = variant
         self.components = inventory.POLICY if hasattr(worker, "optimizer") else inventory.REFERENCE
         self.table = {c: Residency() for c in self.components}
-        self.shadows: dict[str, torch.Tensor] = {}  # slot name -> host bytes, allocated once
-        self.allocations: Counter = Counter()  # slot name -> host shadows allocated for it
+        # (component, slot name) -> its host bytes, allocated once; and how many were allocated
+        self.shadows: dict[tuple[str, str], torch.Tensor] = {}
+        self.allocations: Counter = Counter()
         self.peak_host_bytes = 0
 
     @property
@@ -92,9 +93,6 @@ class OffloadManager:
         return self._worker()
 
     # ----------------------------------------------------------------- residency
-    def offloaded(self) -> list[str]:
-        return [c for c in self.components if self.table[c].offloaded]
-
     def require(self, *components: str, what: str) -> None:
         """Raise OffloadedError when any of `components` is offloaded (before `what` reads it)."""
         missing = [c for c in components if c in self.table and self.table[c].offloaded]
@@ -152,7 +150,7 @@ class OffloadManager:
             for slot in slots:
                 slot.nbytes = nbytes(slot.view)
                 if slot.copy:
-                    self._shadow(slot).copy_(slot.view, non_blocking=True)
+                    self._shadow(component, slot).copy_(slot.view, non_blocking=True)
             synchronize(self.device)  # the host copies are valid only now; free after them
             for slot in slots:
                 self._free(component, slot)
@@ -179,7 +177,7 @@ class OffloadManager:
                     continue  # SkyRL PR 563 (intermediate): only non-empty storages were restored
                 slot.view.untyped_storage().resize_(slot.nbytes)
                 if slot.copy:
-                    slot.view.copy_(self.shadows[slot.name], non_blocking=True)
+                    slot.view.copy_(self.shadows[component, slot.name], non_blocking=True)
                 else:
                     slot.view.zero_()
         synchronize(self.device)
@@ -206,16 +204,17 @@ class OffloadManager:
             slot.owner.grad_data_size = slot.nbytes // slot.owner.grad_data.element_size()
         slot.view.untyped_storage().resize_(0)
 
-    def _shadow(self, slot: Slot) -> torch.Tensor:
+    def _shadow(self, component: str, slot: Slot) -> torch.Tensor:
         """The slot's host shadow: allocated at its first offload (or when its size changed),
         then reused; `repin-each-offload` allocates one every time, while the old one lives."""
-        old = self.shadows.get(slot.name)
+        key = (component, slot.name)
+        old = self.shadows.get(key)
         if old is not None and old.numel() == slot.nbytes and self.variant != "repin-each-offload":
             return old
         new = host_buffer(slot.nbytes, pinned=self.device.type == "cuda")
-        self.allocations[slot.name] += 1
+        self.allocations[key] += 1
         self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes() + new.numel())
-        self.shadows[slot.name] = new
+        self.shadows[key] = new
         return new
 
     def _rebind(self, to: torch.device) -> list[Slot]:
@@ -224,8 +223,8 @@ class OffloadManager:
         for name, buf in inventory.ddp_buffers(self.worker.models):
             buf.param_data = buf.param_data.to(to)
             if to.type == "cpu":
-                self.shadows[f"{name}.param_data"] = buf.param_data
-                self.allocations[f"{name}.param_data"] += 1
+                self.shadows["params", f"{name}.param_data"] = buf.param_data
+                self.allocations["params", f"{name}.param_data"] += 1
                 slots.append(Slot(f"{name}.param_data", buf.param_data, True, owner=buf))
         return slots
 
@@ -261,15 +260,8 @@ class OffloadManager:
                 "pinned": self.device.type == "cuda" and bool(shadows) and all(s.is_pinned() for s in shadows.values()),
                 "state": "offloaded" if self.table[component].offloaded else "resident"}
 
-    def _shadows_of(self, component: str) -> dict[str, torch.Tensor]:
-        names = {s.name for s in self.table[component].slots}
-        if component == "params" and hasattr(self.worker, "optimizer"):
-            names |= {n for n in self.shadows if n.endswith(".param_data")}
-        elif component == "optimizer":
-            names |= {n for n in self.shadows if n.startswith("opt")}
-        elif component == "params":
-            names |= {n for n in self.shadows if n.startswith("chunk")}
-        return {n: self.shadows[n] for n in names if n in self.shadows}
+    def _shadows_of(self, component: str) -> dict[tuple[str, str], torch.Tensor]:
+        return {key: shadow for key, shadow in self.shadows.items() if key[0] == component}
 
     def host_bytes(self) -> int:
         return sum(s.numel() for s in self.shadows.values())

@@ -18,7 +18,6 @@ change nothing, and a checkpoint's restored RNG state is what the next step uses
 """
 from __future__ import annotations
 
-import gc
 import itertools
 import math
 import os
@@ -74,8 +73,6 @@ def _drop(layout: Layout, key: str) -> None:
         # the gc cannot collect (found here: every policy the persistent world built stayed
         # allocated). The objects leak; their device memory does not: free every storage now.
         worker.offloader.discard()
-    del worker
-    gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # hand the freed model and optimizer memory back
 

@@ -101,7 +101,7 @@ class InvarianceResult:
 
 def _check(metric: str, value: float, dtype: str) -> CheckResult:
     bound = training_tolerance(metric, dtype)
-    return CheckResult(metric, value, bound, bound.passes(value))
+    return CheckResult.judge(metric, value, bound)
 
 
 def compare_to_ground_truth(policy, *, model: str = MODEL) -> InvarianceResult:
