@@ -135,6 +135,21 @@ class Layout:
         return self.tp * self.pp * self.cp
 
     @property
+    def micro_batch_multiple(self) -> int:
+        """Every schedule call's micro-batch count must be a multiple of this: megatron-core's
+        interleaved (VPP) schedule runs pp micro-batches per virtual stage in a row, and 0.16.1
+        fails deep inside with fewer ("contiguous micro-batches ... should range in [PP, M]")."""
+        return self.pp if self.vpp else 1
+
+    def check_micro_batches(self, count: Any, what: str = "micro-batch count") -> None:
+        """ValueError, before any rank works, unless `count` suits this layout's schedule."""
+        if not _is_positive_int(count):
+            raise ValueError(f"{what} must be a positive integer, got {count!r}")
+        if count % self.micro_batch_multiple:
+            raise ValueError(f"{what} {count} does not suit {self.name}: the interleaved (VPP) schedule needs "
+                             f"a multiple of pp={self.pp} micro-batches per call")
+
+    @property
     def world_size(self) -> int:
         """tp * pp * cp * dp; ep is carved out of dp*cp and does not multiply."""
         return self.model_parallel_size * self.dp

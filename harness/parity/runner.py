@@ -76,18 +76,17 @@ class ParityResult:
 
 def _micro_batches(case: ParityCase, layout: Layout, rows_per_dp: int) -> int:
     wanted = case.micro_batches or (2 * layout.pp if layout.pp > 1 else 1)
-    if layout.vpp and wanted % layout.pp:
-        raise ValueError(f"the interleaved (VPP) schedule needs a micro-batch count divisible by pp={layout.pp}")
+    layout.check_micro_batches(wanted)
     if rows_per_dp % wanted:
         raise ValueError(f"{rows_per_dp} rows per data-parallel rank do not split into {wanted} micro-batches")
     return wanted
 
 
 # ----------------------------------------------------------------------------- rank-side
-def _hf_reference(path: str, dtype: torch.dtype, batch: RLBatch,
-                  arranged_tp: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """HF logprobs and top-1: arranged to round like Megatron at TP `arranged_tp`, or plain eager
-    HF when None."""
+def _hf_reference(path: str, dtype: torch.dtype, batch: RLBatch, arranged_tp: int | None,
+                  rows_per_forward: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF logprobs and top-1: arranged to round like Megatron at TP `arranged_tp`, one forward per
+    `rows_per_forward` rows as Megatron's micro-batches; or plain eager HF when None."""
     from harness.launch import context
     from harness.logprobs.arithmetic import arrange_like_megatron
     from harness.logprobs.hf import hf_token_outputs
@@ -98,14 +97,14 @@ def _hf_reference(path: str, dtype: torch.dtype, batch: RLBatch,
         arrange_like_megatron(model, tp=arranged_tp)
     device_batch = batch.to(context().device)
     with torch.no_grad():
-        logprobs, top1 = hf_token_outputs(model, device_batch)
+        logprobs, top1 = hf_token_outputs(model, device_batch, micro_batch_size=rows_per_forward)
     del model
     return logprobs.cpu(), top1.cpu()
 
 
 def _rank_parity(layout: Layout, path: str, dtype: torch.dtype, batch: RLBatch, micro_batches: int,
                  variant: str | None, packing: str, norm_precision: str, want_hf: bool,
-                 arranged_tp: int | None):
+                 arranged: tuple[int, int] | None):
     import torch.distributed as dist
 
     from harness.bridge import load_megatron_model
@@ -117,7 +116,8 @@ def _rank_parity(layout: Layout, path: str, dtype: torch.dtype, batch: RLBatch, 
     with torch.no_grad():
         result = megatron_logprobs(models, batch, micro_batches=micro_batches, packing=packing)
     del models
-    hf = _hf_reference(path, dtype, batch, arranged_tp) if want_hf and dist.get_rank() == 0 else None
+    want_hf = want_hf and dist.get_rank() == 0
+    hf = _hf_reference(path, dtype, batch, *(arranged or (None, None))) if want_hf else None
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -159,14 +159,16 @@ def run_parity(world, case: ParityCase, *, device: str | None = None, batch: RLB
     spec = resolve_spec("auto")
     norm_precision = resolve_norm_precision(case.norm_precision, spec)
     arithmetic = regime(layout, reference=case.reference, spec=spec, norm_precision=norm_precision)
-    # The arranged reference rounds its row-parallel sums like the layout's TP: one per TP size.
-    arranged_tp = layout.tp if case.reference == "arranged" else None
-    key = (str(path), case.dtype, device, _batch_key(batch), arranged_tp)
+    # The arranged reference rounds its row-parallel sums like the layout's TP, and runs one forward
+    # per Megatron micro-batch: cuBLAS picks its bf16 GEMM by shape, so a whole-batch reference
+    # differs from dp2/pp2 micro-batches (H200, qwen3-0.6b-shape bf16: max |d| 0.047 vs 9.5e-7).
+    arranged = (layout.tp, batch.batch_size // layout.dp // micro) if case.reference == "arranged" else None
+    key = (str(path), case.dtype, device, _batch_key(batch), arranged)
     cached = (hf_cache or {}).get(key)
     results = run_in_layout(
         world, layout, _rank_parity, str(path), DTYPES[case.dtype], batch, micro, case.variant,
         FORCED_PACKING.get(case.variant, case.packing), norm_precision,
-        cached is None, arranged_tp,
+        cached is None, arranged,
     )
     from harness.logprobs.megatron import assemble
 

@@ -177,6 +177,7 @@ class PolicyHandle(_Handle):
         require(config.get("variant"), check="training", layout=self.layout,
                 config=load_hf_config(self.path))
         require(config.get("offload_variant"), check="offload")
+        self.layout.check_micro_batches(config.get("micro_batches", 1), "micro_batches")
         self.config = dict(config)
         run_in_layout(world, self.layout, _create_policy, self.key, self.path, self.config, seed,
                       model=self.path, seed=None)  # the worker seeds its own streams
@@ -232,8 +233,11 @@ class PolicyHandle(_Handle):
         self.call("begin_step", train_batch)
 
     def accumulate(self, indices) -> None:
-        """Forward and backward of micro-batches `indices` of each rank's share."""
-        self.call("accumulate", list(indices))
+        """Forward and backward of micro-batches `indices` of each rank's share (under VPP a
+        multiple of pp of them per call: `Layout.micro_batch_multiple`)."""
+        indices = list(indices)
+        self.layout.check_micro_batches(len(indices), "micro-batches per accumulate call")
+        self.call("accumulate", indices)
 
     def finish_step(self) -> dict[str, Any]:
         return self._agreed(self.call("finish_step"))
@@ -260,10 +264,13 @@ class ReferenceHandle(_Handle):
         run_in_layout(world, self.layout, _create_reference, self.key, self.path, dtype, seed,
                       model=self.path, seed=None)  # the worker seeds its own streams
 
-    def logprobs(self, batch, micro_batches: int = 1) -> torch.Tensor:
-        """[B, S] logprobs of `batch` (0 where undefined), assembled from the ranks."""
+    def logprobs(self, batch, micro_batches: int | None = None) -> torch.Tensor:
+        """[B, S] logprobs of `batch` (0 where undefined), assembled from the ranks; `micro_batches`
+        per data-parallel rank, by default the fewest the layout's schedule takes."""
         from harness.logprobs.megatron import assemble
 
+        micro_batches = micro_batches or self.layout.micro_batch_multiple
+        self.layout.check_micro_batches(micro_batches, "micro_batches")
         logprobs, _ = assemble(self.call("logprobs", batch, micro_batches))
         return logprobs
 

@@ -65,6 +65,19 @@ def test_world_size_ignores_ep_and_vpp() -> None:
     assert Layout(tp=2, pp=3).model_parallel_size == 6
 
 
+@pytest.mark.parametrize("layout, good, bad", [
+    (Layout(), [1, 3], [0, -1, 2.0]),
+    (Layout(pp=2), [1, 3], [0]),
+    (Layout(pp=2, vpp=2), [2, 4], [1, 3]),  # megatron-core's interleaved schedule: pp per call
+])
+def test_micro_batch_counts_are_checked_against_the_schedule(layout: Layout, good: list, bad: list) -> None:
+    for count in good:
+        layout.check_micro_batches(count)
+    for count in bad:
+        with pytest.raises(ValueError, match="positive integer|interleaved"):
+            layout.check_micro_batches(count)
+
+
 def test_layout_is_frozen_and_hashable() -> None:
     layout = Layout(tp=2)
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -99,13 +99,15 @@ class OffloadMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.open is not None)
     @rule()
     def accumulate_or_finish(self):
+        # One micro-batch per call; under VPP the fewest the interleaved schedule takes.
+        chunk = list(range(len(self.open), len(self.open) + self.policy.layout.micro_batch_multiple))
         if self.offloaded:
             with pytest.raises(OffloadedError):
-                self.policy.accumulate([len(self.open)])
+                self.policy.accumulate(chunk)
             return
         if len(self.open) < CONFIG["micro_batches"]:
-            self.policy.accumulate([len(self.open)])
-            self.open.append(len(self.open))
+            self.policy.accumulate(chunk)
+            self.open += chunk
         else:
             self.open = None
             self._stepped(self.policy.finish_step())
@@ -186,8 +188,9 @@ def test_a_step_accumulated_across_calls_equals_one_call(policy, device, layout)
     got = []
     for k in range(2):
         split.begin_step(train_batch(k))
-        for index in range(CONFIG["micro_batches"]):
-            split.accumulate([index])
+        chunk = split.layout.micro_batch_multiple  # 1, or pp under VPP
+        for first in range(0, CONFIG["micro_batches"], chunk):
+            split.accumulate(range(first, first + chunk))
         got.append(split.finish_step())
     assert [(g["loss"], g["grad_norm"]) for g in got] == [(w["loss"], w["grad_norm"]) for w in want]
     assert _trained(split.apply(digests)) == want_digest

@@ -60,6 +60,13 @@ def test_bad_input_is_one_clear_error_before_any_work(policy, device):
         policy("tp4", "tiny-llama")  # 2 query groups: tp4 cannot split them
     with pytest.raises(LayoutError):
         policy("tp3", world_size=2)
+    # megatron-core 0.16.1 would fail inside every rank (found on 2 H200s): one micro-batch under VPP
+    with pytest.raises(ValueError, match="interleaved .VPP. schedule needs a multiple of pp=2"):
+        policy("pp2vpp2", micro_batches=1)
+    p = policy("pp2vpp2", micro_batches=2)
+    p.begin_step(_batch())
+    with pytest.raises(ValueError, match="micro-batches per accumulate call 1 does not suit pp2vpp2"):
+        p.accumulate([0])
 
 
 def test_a_closed_policy_is_freed_on_every_rank(policy, device):
