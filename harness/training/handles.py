@@ -134,6 +134,16 @@ class _Handle:
         """`worker.<method>(*args, **kwargs)` on every rank; returns each rank's result."""
         return self.apply(_call_method, method, *args, timeout=timeout, **kwargs)
 
+    def logprobs(self, batch, micro_batches: int | None = None) -> torch.Tensor:
+        """[B, S] logprobs of `batch` under the current weights (0 where undefined), assembled from
+        the ranks; `micro_batches` per data-parallel rank, by default the fewest the layout takes."""
+        from harness.logprobs.megatron import assemble
+
+        micro_batches = micro_batches or self.layout.micro_batch_multiple
+        self.layout.check_micro_batches(micro_batches, "micro_batches")
+        logprobs, _ = assemble(self.call("logprobs", batch, micro_batches))
+        return logprobs
+
     def offload_accounting(self) -> list[dict[str, Any]]:
         """Each rank's `OffloadManager.accounting()`: per component its state, device bytes held
         now, bytes by theory, host shadow bytes (harness.offload)."""
@@ -178,6 +188,8 @@ class PolicyHandle(_Handle):
                 config=load_hf_config(self.path))
         require(config.get("offload_variant"), check="offload")
         self.layout.check_micro_batches(config.get("micro_batches", 1), "micro_batches")
+        if config.get("dtype", "fp32") not in ("fp32", "bf16"):
+            raise ValueError(f"unknown policy dtype {config['dtype']!r}; choose from ['bf16', 'fp32']")
         self.config = dict(config)
         run_in_layout(world, self.layout, _create_policy, self.key, self.path, self.config, seed,
                       model=self.path, seed=None)  # the worker seeds its own streams
@@ -263,16 +275,6 @@ class ReferenceHandle(_Handle):
         super().__init__(world, layout, model, seed)
         run_in_layout(world, self.layout, _create_reference, self.key, self.path, dtype, seed,
                       model=self.path, seed=None)  # the worker seeds its own streams
-
-    def logprobs(self, batch, micro_batches: int | None = None) -> torch.Tensor:
-        """[B, S] logprobs of `batch` (0 where undefined), assembled from the ranks; `micro_batches`
-        per data-parallel rank, by default the fewest the layout's schedule takes."""
-        from harness.logprobs.megatron import assemble
-
-        micro_batches = micro_batches or self.layout.micro_batch_multiple
-        self.layout.check_micro_batches(micro_batches, "micro_batches")
-        logprobs, _ = assemble(self.call("logprobs", batch, micro_batches))
-        return logprobs
 
     def offload(self, params: bool = True) -> list[list[dict]]:
         """Free the frozen params on the device (one host shadow per storage); each rank's rows."""

@@ -300,6 +300,22 @@ class PolicyWorker:
         return [{"dp_rank": d, "index": i, "loss": float(table[d, i, 0]), "tokens": int(table[d, i, 1])}
                 for d in range(table.shape[0]) for i in range(table.shape[1])]
 
+    @torch.no_grad()
+    def logprobs(self, batch, micro_batches: int = 1):
+        """This rank's share of the current weights' logprobs of `batch` (the forward the parity
+        suite checks; no dropout, nothing recorded for a backward)."""
+        from harness.logprobs.megatron import megatron_logprobs
+
+        self.offloader.require("params", what="policy logprobs")
+        training = [m.training for m in self.models]
+        for m in self.models:
+            m.eval()
+        try:
+            return megatron_logprobs(self.models, batch, micro_batches=micro_batches)
+        finally:
+            for m, mode in zip(self.models, training):
+                m.train(mode)
+
     def export(self) -> dict[str, torch.Tensor]:
         """The full HF state dict (call on every rank at once)."""
         from harness.bridge import export_hf_state_dict

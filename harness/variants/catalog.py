@@ -19,15 +19,18 @@ Components:
   offload     offload/reload of the policy's params, grads and optimizer state
               (harness.offload.manager; caught by the round trip's exact accounting,
               harness.offload.check)
+  weight-sync the policy's weights streamed into a rollout engine (harness.rollout.sync; caught
+              by the engine's weights against the policy's export, harness.rollout.check)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
-Component = Literal["bridge", "logprobs", "training", "checkpoint", "rotation", "offload"]
+Component = Literal["bridge", "logprobs", "training", "checkpoint", "rotation", "offload", "weight-sync"]
 Kind = Literal["negative-control", "upstream-bug"]
-COMPONENTS: tuple[str, ...] = ("bridge", "logprobs", "training", "checkpoint", "rotation", "offload")
+COMPONENTS: tuple[str, ...] = ("bridge", "logprobs", "training", "checkpoint", "rotation", "offload",
+                               "weight-sync")
 # Which components each check runs (the parity check covers the weights and the feeding).
 CHECKS: dict[str, tuple[str, ...]] = {
     "parity": ("bridge", "logprobs"),
@@ -35,6 +38,7 @@ CHECKS: dict[str, tuple[str, ...]] = {
     "checkpoint": ("checkpoint",),
     "crash-safety": ("rotation",),
     "offload": ("offload",),
+    "weight-sync": ("weight-sync",),
 }
 
 
@@ -300,7 +304,35 @@ _OFFLOAD: tuple[Variant, ...] = (
             "aliasing_broken (CUDA)",
             upstream="megatron-core 0.16.1 optimizer.py:344-380 (found by this harness)", default_layout="dp2"),
 )
-_ENTRIES = _ENTRIES + _ROTATION + _OFFLOAD
+# Weight-sync variants: caught by the engine's weights after a training step and a sync
+# (harness.rollout.check): every tensor bit-equal to the policy's export, or the count that is not.
+_SYNC: tuple[Variant, ...] = (
+    Variant("sync-skipped-bucket", "weight-sync", "upstream-bug",
+            "one bucket of the streamed sync (the second) never reaches the engine",
+            "the engine samples from a mix of new and stale weights; rewards drift or collapse "
+            "while the trainer's logprobs look fine",
+            "weight sync: unequal_tensors and max_abs_diff after a step and a sync",
+            upstream="SkyRL PR 1345 (stale bucketed sync under PP); sglang issue 14178 (garbled "
+                     "output after bucketed updates)", default_layout="dp2"),
+    Variant("sync-swapped-tp-shards", "weight-sync", "negative-control",
+            "the column-parallel projections (q/k/v, gate/up) are sent with their TP shards "
+            "concatenated in reverse rank order", "the engine's heads and MLP rows are permuted: garbage "
+            "rollouts from the first sync on", "weight sync: unequal_tensors and max_abs_diff",
+            requires=_needs_tp, default_layout="tp2"),
+    Variant("sync-unsynced-tied-embedding", "weight-sync", "upstream-bug",
+            "with tied embeddings under PP the embedding is left out of the sync (each stage "
+            "assumes the other sends it)", "after training the engine keeps the old embedding and "
+            "LM head: generation drifts from the trainer step by step",
+            "weight sync: unequal_tensors (model.embed_tokens.weight) after a step",
+            upstream="sglang PR 15890 (tied embeddings skipped by the last PP rank)",
+            requires=_needs_tied_pp, default_layout="pp2", model="tiny-qwen3-tied"),
+    Variant("sync-swapped-gate-up", "weight-sync", "upstream-bug",
+            "the fused gate_up_proj is packed [up | gate] instead of vLLM's [gate | up]",
+            "the engine's SwiGLU gates the wrong half: garbage rollouts",
+            "weight sync: unequal_tensors (every gate_proj and up_proj)",
+            upstream="alibaba/rtp-llm PR 756 (fused FFN weights stored [up | gate])", default_layout="dp2"),
+)
+_ENTRIES = _ENTRIES + _ROTATION + _OFFLOAD + _SYNC
 
 CATALOG: dict[str, Variant] = {v.id: v for v in _ENTRIES}
 
@@ -318,7 +350,7 @@ def for_components(*components: str) -> list[Variant]:
 
 def require(variant_id: str | None, *, check: str, layout=None, config=None) -> Variant | None:
     """The entry for `variant_id` after checking that `check` ("parity", "training",
-    "checkpoint", "crash-safety", "offload") runs its component and that it applies to `layout` and `config` (when given);
+    "checkpoint", "crash-safety", "offload", "weight-sync") runs its component and that it applies to `layout` and `config` (when given);
     None for no variant. Raises VariantError: one clear error before any work."""
     if variant_id is None:
         return None

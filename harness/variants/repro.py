@@ -196,9 +196,22 @@ def _offload(variant: Variant, layout: str, dtype: str, runner: Runner) -> tuple
     return run(variant.id), run(None)
 
 
+def _weight_sync(variant: Variant, layout: str, dtype: str, runner: Runner) -> tuple[Run, Run]:
+    """A training step, a sync into the HF engine, the engine against the policy
+    (harness.rollout.check), with the variant and on the fixed path."""
+    from harness.rollout.check import sync_check
+
+    def run(variant_id):
+        result = sync_check(runner.make_policy, layout, dtype, variant=variant_id, device=runner.device,
+                            model=variant.model)
+        return Run(result.passed, result.checks, result.summary(), result.rows())
+
+    return run(variant.id), run(None)
+
+
 _CHECKS: dict[str, Callable[[Variant, str, str, Runner], tuple[Run, Run]]] = {
     "bridge": _parity, "logprobs": _parity, "training": _training, "checkpoint": _checkpoint,
-    "rotation": _crash_safety, "offload": _offload,
+    "rotation": _crash_safety, "offload": _offload, "weight-sync": _weight_sync,
 }
 
 

@@ -14,6 +14,7 @@ from harness.checkpoint.checkpointer import IMPLEMENTED as ROTATION
 from harness.checkpoint.manager import IMPLEMENTED as CHECKPOINT
 from harness.offload import IMPLEMENTED as OFFLOAD
 from harness.parity.variants import IMPLEMENTED as PARITY
+from harness.rollout import IMPLEMENTED as SYNC
 from harness.training.policy import IMPLEMENTED as TRAINING
 from harness.variants import CATALOG, COMPONENTS, VariantError, for_components, require
 
@@ -31,6 +32,7 @@ def test_each_component_implements_exactly_its_entries():
     assert set(CHECKPOINT) == ids["checkpoint"]
     assert set(ROTATION) == ids["rotation"]
     assert set(OFFLOAD) == ids["offload"]
+    assert set(SYNC) == ids["weight-sync"]
 
 
 def test_every_entry_says_what_it_is():

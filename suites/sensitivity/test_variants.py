@@ -11,8 +11,8 @@ the replicas' exact consistency catches what the loose bf16 weight bound cannot)
 uninterrupted run (checkpoint variants; bit for bit at the same layout). Across layouts a resume is
 held to the training bounds, so shared-adam-step's 2.5e-4 weight drift is shown there in fp32 only.
 CI runs every entry in fp32 everywhere (a bf16-only entry in bf16) and, but for the rotation and
-offload variants, in bf16 at tp2 (or where the entry shows only elsewhere); bf16 at pp2/dp2 and the
-rotation and offload variants in bf16 run nightly (`--mrh-nightly`).
+offload and weight-sync variants, in bf16 at tp2 (or where the entry shows only elsewhere); bf16 at
+pp2/dp2 and the rotation, offload and weight-sync variants in bf16 run nightly (`--mrh-nightly`).
 """
 from __future__ import annotations
 
@@ -26,12 +26,12 @@ SAME = ["tp2->tp2", "pp2->pp2", "dp2->dp2"]
 # Where each component's entries run (a variant that cannot show somewhere is left out there); a
 # machine of one GPU adds tp1, so that one GPU still shows every variant that can show there.
 WHERE = {"bridge": ["tp2", "pp2", "dp2"], "logprobs": ["tp2", "pp2", "dp2"],
-         "training": ["tp2", "pp2", "dp2"]}
+         "training": ["tp2", "pp2", "dp2"], "weight-sync": ["tp2", "pp2", "dp2"]}
 CHECKPOINT_WHERE = {"shared-adam-step": [(w, DTYPES) for w in SAME] + [("tp2->pp2", ("fp32",))],
                     "rng-not-restored": [(w, DTYPES) for w in SAME],
                     "dp-reshardable": [(w, DTYPES) for w in ("tp2->pp2", "pp2->tp2", "dp2->tp2")]}
 ONE_GPU = {"bridge": "tp1", "logprobs": "tp1", "training": "tp1", "checkpoint": "tp1->tp1", "rotation": "tp1",
-           "offload": "tp1"}
+           "offload": "tp1", "weight-sync": "tp1"}
 # Rotation variants (crash trials, harness.checkpoint.crash): what they break is the order of file
 # operations, the same in either dtype; CI runs them in fp32, the nightly run in bf16 too.
 ROTATION_WHERE = [("dp2", DTYPES)]
@@ -61,7 +61,7 @@ def _nightly(variant, where: str, dtype: str, device: str) -> bool:
     entries that also show at tp2 in bf16, so they still run in CI in both dtypes."""
     if (variant.component, dtype) in NIGHTLY_ONLY:
         return True
-    if variant.component == "offload":
+    if variant.component in ("offload", "weight-sync"):  # what they break is dtype-blind: CI runs fp32
         return device == "cpu" and dtype != variant.dtypes[0]
     return (device == "cpu" and dtype == "bf16" and variant.component in WHERE and where != "tp2"
             and _applies(variant.id, "tp2", dtype))

@@ -1,0 +1,125 @@
+"""The weight-sync invariants as one check (suites/rollout, `mrh repro` of the weight-sync variants).
+
+After a training step and a sync:
+  (a) the engine's weights equal the policy's exported HF weights, every tensor bit for bit;
+  (b) the engine's logprobs of its own samples match the trainer's logprobs of the same tokens
+      (max |d|, mean |d|, token_mult_prob_error; bounds per dtype in harness.rollout.tolerances);
+  (c) a second sync with no step in between changes no engine weight and no engine logprob.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from harness.report import Row
+from harness.rollout.engine import Sampling
+from harness.rollout.tolerances import sync_tolerance
+from harness.tolerance import CheckResult, separation
+
+MODEL = "tiny-qwen3"
+BUCKET_BYTES = 16 << 10  # small: the tiny model streams in ~100 buckets, so a skipped one shows
+CONFIG = dict(lr=1e-3, micro_batches=2)
+SAMPLING = Sampling(n=2, max_tokens=6, seed=11)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def prompts(vocab_size: int, count: int = 4, seed: int = 5) -> list[list[int]]:
+    """`count` prompts of 3..8 random token ids (never 0, the pad id)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 9, (count,), generator=g)
+    return [torch.randint(1, vocab_size, (int(n),), generator=g).tolist() for n in lengths]
+
+
+def engine_device(device: str) -> str:
+    """The driver's engine shares the first GPU with rank 0 (colocation), or runs on the CPU."""
+    return "cuda" if device == "cuda" else "cpu"
+
+
+@dataclass
+class SyncResult:
+    layout: str
+    dtype: str
+    device: str
+    variant: str | None
+    model: str
+    checks: list[CheckResult] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    report: Any = None  # the SyncReport of the synced step
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    @property
+    def separation(self) -> float:
+        return separation(self.checks)
+
+    def check(self, metric: str, value: float, detail: str = "") -> None:
+        result = CheckResult.judge(metric, value, sync_tolerance(metric, self.dtype))
+        self.checks.append(result)
+        if not result.passed:
+            self.failures.append(f"{metric}={value:g}" + (f" ({detail})" if detail else ""))
+
+    def rows(self, **fields: Any) -> list[Row]:
+        return [Row(suite="", test="", layout=self.layout, metric=c.metric, value=c.value,
+                    tolerance=c.tolerance.limit, passed=c.passed, model=self.model, dtype=self.dtype,
+                    device=self.device, extra=dict(fields, variant=self.variant, tolerance_kind=c.tolerance.kind))
+                for c in self.checks]
+
+    def summary(self) -> str:
+        what = f"{self.model} {self.layout} {self.dtype}" + (f" variant={self.variant}" if self.variant else "")
+        return f"{what}: " + ("; ".join(self.failures) if self.failures else "engine equals the policy")
+
+
+def sync_check(make_policy: Callable[..., Any], layout: str, dtype: str = "fp32", *, variant: str | None = None,
+               device: str = "cpu", model: str | None = None, steps: int = 1) -> SyncResult:
+    """Run (a)-(c) on a fresh policy and a fresh HF engine; closes the policy."""
+    from harness.models import load_hf_config
+    from harness.rollout.hf_engine import HFEngine
+    from harness.rollout.sync import engine_weight_diffs, sync_weights
+    from harness.training import make_rl_train_batch
+
+    model = model or MODEL
+    result = SyncResult(str(layout), dtype, device, variant, model)
+    policy = make_policy(layout, model, **CONFIG, dtype=dtype)
+    try:
+        engine = HFEngine(model, dtype=DTYPES[dtype], device=engine_device(device))
+        vocab = load_hf_config(model).vocab_size
+        for step in range(steps):
+            policy.step(make_rl_train_batch(vocab, batch_size=4, seed=step, prompt_lengths=[3, 6, 2, 5],
+                                            response_lengths=[5, 4, 6, 3]))
+        result.report = sync_weights(policy, engine, bucket_bytes=BUCKET_BYTES, variant=variant)
+        diffs = engine_weight_diffs(engine.weights(), policy.hf_state_dict())
+        bad = diffs["missing"] + diffs["extra"] + diffs["unequal"]
+        result.check("unequal_tensors", len(bad), ", ".join(bad[:4]))
+        result.check("engine_max_abs_diff", diffs["max_abs_diff"])
+        _logprob_agreement(result, policy, engine, vocab)
+        _resync_changes_nothing(result, policy, engine, vocab, variant)
+    finally:
+        policy.close()
+    return result
+
+
+def _logprob_agreement(result: SyncResult, policy, engine, vocab: int) -> None:
+    from harness.parity.metrics import compare_logprobs
+
+    rollouts = engine.generate(prompts(vocab), SAMPLING)
+    trainer = policy.logprobs(rollouts.batch)
+    metrics = compare_logprobs(trainer, rollouts.logprobs, rollouts.batch.response_mask)
+    for metric in ("max_abs", "mean_abs", "token_mult_prob_error"):
+        result.check(metric, metrics[metric])
+
+
+def _resync_changes_nothing(result: SyncResult, policy, engine, vocab: int, variant: str | None) -> None:
+    from harness.rollout.sync import engine_weight_diffs, sync_weights
+
+    before = engine.weights()
+    first = engine.generate(prompts(vocab), SAMPLING)
+    sync_weights(policy, engine, bucket_bytes=BUCKET_BYTES, variant=variant)
+    changed = engine_weight_diffs(engine.weights(), before)
+    result.check("resync_changed_tensors", len(changed["unequal"]))
+    again = engine.generate(prompts(vocab), SAMPLING)
+    same = torch.equal(first.batch.input_ids, again.batch.input_ids) and torch.equal(first.logprobs, again.logprobs)
+    result.check("resync_changed_rollouts", 0 if same else 1)

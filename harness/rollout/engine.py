@@ -1,0 +1,76 @@
+"""What a rollout engine is to the harness: generate with logprobs, take new weights, sleep/wake.
+
+Every engine (the HF reference engine here, vLLM behind the same methods) returns a `Rollouts`:
+the prompts' rows with the sampled completions appended, as an `RLBatch` whose response mask marks
+the sampled tokens, and the engine's own logprob of each sampled token (0 elsewhere, the project
+convention). Weight updates arrive as buckets of (HF name, tensor); a bucket may carry a fused
+`gate_up_proj` (gate rows first, as vLLM packs it), which the engine splits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Protocol, Sequence
+
+import torch
+
+from harness.data.rl_batch import RLBatch
+
+# A fused MLP input projection: gate rows then up rows (vLLM's MergedColumnParallelLinear order).
+FUSED_GATE_UP = "gate_up_proj"
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to sample: `n` completions per prompt of exactly `max_tokens` tokens (no early stop:
+    equal lengths keep every row's response the same size), at `temperature`, from `seed`."""
+
+    n: int = 1
+    max_tokens: int = 4
+    temperature: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.n, int) and self.n >= 1):
+            raise ValueError(f"n must be a positive integer, got {self.n!r}")
+        if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 (greedy is not sampling), got {self.temperature!r}")
+
+
+@dataclass
+class Rollouts:
+    """`batch`: prompt (left-padded) + completion rows, n consecutive rows per prompt;
+    `logprobs`: float32 [B, S], the engine's logprob of each sampled token (0 elsewhere);
+    `prompt_index`: int64 [B], which prompt each row continues."""
+
+    batch: RLBatch
+    logprobs: torch.Tensor
+    prompt_index: torch.Tensor
+
+    @property
+    def completions(self) -> torch.Tensor:
+        """[B, max_tokens] the sampled token ids."""
+        width = int(self.batch.response_mask[0].sum())
+        return self.batch.input_ids[:, -width:]
+
+
+class RolloutEngine(Protocol):
+    """The methods the harness needs from an inference engine."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> Rollouts: ...
+
+    def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy one bucket of (HF name, tensor) into the engine; returns the tensors taken."""
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The engine's weights by HF checkpoint name (what `update_weights` writes)."""
+
+    def sleep(self) -> None:
+        """Give the device memory back (colocation: the trainer runs meanwhile)."""
+
+    def wake(self) -> None: ...
+
+
+class EngineAsleep(RuntimeError):
+    """The engine was asked to generate or take weights while asleep."""

@@ -1,0 +1,145 @@
+"""The HF reference engine: plain transformers forward with a KV cache and a seeded sampler.
+
+Runs in the driver process (CPU in CI, the first GPU on a CUDA machine). It is the engine whose
+arithmetic the harness knows (eager HF, the parity suite's plain reference), so its logprobs
+against the trainer's are bounded by measured tolerances (harness.rollout.tolerances).
+
+Sampling draws on the CPU from float32 probabilities with its own `torch.Generator`: the same seed
+gives the same tokens on any device as long as the probabilities agree.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterable, Sequence
+
+import torch
+
+from harness.data.rl_batch import RLBatch
+from harness.rollout.engine import FUSED_GATE_UP, EngineAsleep, Rollouts, Sampling
+
+
+class HFEngine:
+    """`HFEngine(model, dtype=torch.float32, device="cpu")`: a zoo name or a local HF checkpoint."""
+
+    def __init__(self, model: str | os.PathLike = "tiny-qwen3", *, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> None:
+        from harness.models import build_hf_model, resolve_model
+
+        self.path = resolve_model(model)
+        self.device = torch.device(device)
+        self.model = build_hf_model(self.path, dtype=dtype).to(self.device)
+        self.dtype = dtype
+        self.asleep = False
+        config = self.model.config
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.pad_id = int(config.pad_token_id if config.pad_token_id is not None else 0)
+        self.vocab_size = int(config.vocab_size)
+        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+
+    # ------------------------------------------------------------------------- generation
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> Rollouts:
+        self._awake("generate")
+        prompt_ids, prompt_mask, index = self._prompt_rows(prompts, sampling.n)
+        generator = torch.Generator().manual_seed(sampling.seed)
+        ids = prompt_ids.to(self.device)
+        mask = prompt_mask.to(self.device)
+        positions = (mask.long().cumsum(1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask.long(), position_ids=positions, use_cache=True)
+        tokens, logprobs = [], []
+        for step in range(sampling.max_tokens):
+            token, logprob = self._sample(out.logits[:, -1], sampling.temperature, generator)
+            tokens.append(token)
+            logprobs.append(logprob)
+            if step + 1 == sampling.max_tokens:
+                break
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            positions = positions[:, -1:] + 1
+            out = self.model(input_ids=token.unsqueeze(1).to(self.device), attention_mask=mask.long(),
+                             position_ids=positions, past_key_values=out.past_key_values, use_cache=True)
+        return self._rollouts(prompt_ids, prompt_mask, index, torch.stack(tokens, 1), torch.stack(logprobs, 1))
+
+    def _prompt_rows(self, prompts, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Left-padded prompt rows, each prompt n times in a row."""
+        prompts = [list(map(int, p)) for p in prompts]
+        if not prompts or any(not p for p in prompts):
+            raise ValueError("need at least one prompt, and no empty prompt")
+        bad = sorted({t for p in prompts for t in p if not 0 <= t < self.vocab_size})
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+        width = max(len(p) for p in prompts)
+        rows = [p for p in prompts for _ in range(n)]
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.bool)
+        for r, p in enumerate(rows):
+            ids[r, width - len(p):] = torch.tensor(p)
+            mask[r, width - len(p):] = True
+        index = torch.arange(len(prompts)).repeat_interleave(n)
+        return ids, mask, index
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        logprobs = torch.log_softmax(logits.float().cpu() / temperature, dim=-1)
+        token = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)
+        return token, logprobs.gather(1, token.unsqueeze(1)).squeeze(1)
+
+    def _rollouts(self, prompt_ids, prompt_mask, index, tokens, logprobs) -> Rollouts:
+        ones = torch.ones_like(tokens, dtype=torch.bool)
+        batch = RLBatch(input_ids=torch.cat([prompt_ids, tokens], 1),
+                        attention_mask=torch.cat([prompt_mask, ones], 1),
+                        response_mask=torch.cat([torch.zeros_like(prompt_mask), ones], 1),
+                        pad_id=self.pad_id)
+        full = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+        full[:, prompt_ids.shape[1]:] = logprobs
+        return Rollouts(batch, full, index)
+
+    # ---------------------------------------------------------------------------- weights
+    @torch.no_grad()
+    def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy each (HF name, tensor) into the model; a fused gate_up_proj is split (gate rows
+        first). Unknown names and shape mismatches raise before anything of the bucket is copied."""
+        self._awake("update_weights")
+        plan = [pair for name, tensor in bucket for pair in self._unfuse(name, tensor)]
+        for name, tensor in plan:
+            param = self._params.get(name)
+            if param is None:
+                raise KeyError(f"the engine has no weight {name!r}")
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} sent, the engine holds {tuple(param.shape)}")
+        for name, tensor in plan:
+            self._params[name].copy_(tensor)
+        return len(plan)
+
+    @staticmethod
+    def _unfuse(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        if f".{FUSED_GATE_UP}." not in name:
+            return [(name, tensor)]
+        gate, up = tensor.chunk(2, dim=0)
+        return [(name.replace(FUSED_GATE_UP, "gate_proj"), gate), (name.replace(FUSED_GATE_UP, "up_proj"), up)]
+
+    @torch.no_grad()
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Copies on the CPU, by checkpoint name (a tied model has no lm_head.weight)."""
+        state = {name: p.detach().cpu().clone() for name, p in self.model.named_parameters()}
+        if self.tied:
+            state.pop("lm_head.weight", None)
+        return state
+
+    # ------------------------------------------------------------------------- colocation
+    def sleep(self) -> None:
+        """Move the weights to the host and give the device memory back (CPU: nothing to free)."""
+        if self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        self.asleep = True
+
+    def wake(self) -> None:
+        if self.device.type == "cuda":
+            self.model.to(self.device)
+        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        self.asleep = False
+
+    def _awake(self, what: str) -> None:
+        if self.asleep:
+            raise EngineAsleep(f"{what} while the engine sleeps: call wake() first")

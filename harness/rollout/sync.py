@@ -1,0 +1,176 @@
+"""Weight sync: the policy's weights, from any layout, into a rollout engine, bucket by bucket.
+
+Every rank walks the bridge's export together (mbridge gathers TP shards and broadcasts PP stages
+tensor by tensor); rank 0 keeps each tensor only until its bucket is full and sent. So no rank ever
+holds a full-model copy: the driver receives one bucket of at most `bucket_bytes` (or one tensor,
+when a single tensor is larger) per call and hands it to `engine.update_weights`. The MLP's gate
+and up projections travel fused (`gate_up_proj`, gate rows first, as vLLM packs them).
+
+    report = sync_weights(policy, engine, bucket_bytes=1 << 20)
+
+The catalog's `weight-sync` variants are four upstream bugs of exactly this path (harness.variants).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from harness.rollout.engine import FUSED_GATE_UP
+
+DEFAULT_BUCKET_BYTES = 64 << 20
+IMPLEMENTED = ("sync-skipped-bucket", "sync-swapped-tp-shards", "sync-unsynced-tied-embedding",
+               "sync-swapped-gate-up")
+# HF projections that Megatron splits by output rows over TP (column-parallel).
+_COLUMN_PARALLEL = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")
+_EMBEDDINGS = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+@dataclass
+class SyncReport:
+    buckets: int = 0
+    tensors: int = 0  # as sent (a fused gate_up counts once)
+    bytes: int = 0
+    max_bucket_bytes: int = 0
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    seconds: float = 0.0
+    names: list[str] = field(default_factory=list)
+
+
+def sync_weights(policy, engine, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, variant: str | None = None,
+                 progress=None) -> SyncReport:
+    """Stream the policy's exported HF weights into `engine`; `progress(report)` after each bucket."""
+    from harness.models import load_hf_config
+    from harness.variants.catalog import require
+
+    if not (isinstance(bucket_bytes, int) and bucket_bytes > 0):
+        raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
+    require(variant, check="weight-sync", layout=policy.layout, config=load_hf_config(policy.path))
+    report = SyncReport(bucket_bytes=bucket_bytes)
+    start = time.perf_counter()
+    policy.apply(_open, bucket_bytes, variant)
+    done = False
+    while not done:
+        bucket, done = policy.apply(_next)[0]
+        size = sum(t.numel() * t.element_size() for _, t in bucket)
+        # The upstream bug: an index slip drops one bucket; the engine keeps its old tensors.
+        if not (variant == "sync-skipped-bucket" and report.buckets == 1):
+            engine.update_weights(bucket)
+        report.buckets += 1
+        report.tensors += len(bucket)
+        report.bytes += size
+        report.max_bucket_bytes = max(report.max_bucket_bytes, size)
+        report.names += [name for name, _ in bucket]
+        if progress is not None:
+            progress(report)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+# ------------------------------------------------------------------------------ rank side
+def _open(worker, bucket_bytes: int, variant: str | None) -> None:
+    worker.offloader.require("params", what="a weight sync")
+    worker.sync_stream = _Stream(worker.models, bucket_bytes, variant)
+
+
+def _next(worker) -> tuple[list[tuple[str, torch.Tensor]] | None, bool]:
+    import torch.distributed as dist
+
+    stream = getattr(worker, "sync_stream", None)
+    if stream is None:
+        raise RuntimeError("no weight sync is open on this worker")
+    bucket, done = stream.next_bucket()
+    if done:
+        worker.sync_stream = None
+    return (bucket if dist.get_rank() == 0 else None), done
+
+
+class _Stream:
+    """The export as buckets. Every rank runs the same walk (the collectives pair up) and makes
+    the same bucket cuts from the tensors' sizes; only rank 0 keeps copies."""
+
+    def __init__(self, models, bucket_bytes: int, variant: str | None) -> None:
+        import torch.distributed as dist
+        from mbridge.core.util import unwrap_model
+        from megatron.core import parallel_state as ps
+
+        from harness.bridge.load import hf_bridge
+
+        self.items: Iterator = iter(hf_bridge(models).export_weights(unwrap_model(list(models))))
+        self.limit = bucket_bytes
+        self.variant = variant
+        self.keep = dist.get_rank() == 0
+        self.tp = ps.get_tensor_model_parallel_world_size()
+        self.pp = ps.get_pipeline_model_parallel_world_size()
+        self.tied = bool(getattr(unwrap_model(list(models))[0], "share_embeddings_and_output_weights", False))
+        self.sent: dict[str, torch.Tensor | None] = {}  # name -> the copy, kept for embeddings only
+        self.halves: dict[str, dict[str, torch.Tensor]] = {}  # MLP prefix -> gate/up awaiting its pair
+        self.ready: list[tuple[str, torch.Tensor]] = []  # transformed, not yet in a bucket
+
+    def next_bucket(self) -> tuple[list[tuple[str, torch.Tensor]], bool]:
+        bucket, size = [], 0
+        while True:
+            while not self.ready:
+                item = next(self.items, None)
+                if item is None:
+                    if self.halves:
+                        raise RuntimeError(f"gate/up projections without their pair: {sorted(self.halves)}")
+                    return bucket, True
+                self.ready = self._transform(*item)
+            name, tensor = self.ready[0]
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and size + nbytes > self.limit:
+                return bucket, False
+            self.ready.pop(0)
+            bucket.append((name, tensor))
+            size += nbytes
+
+    @torch.no_grad()
+    def _transform(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        # Copy: mbridge yields views into its gather buffers. Ranks other than 0 keep a meta
+        # tensor of the same size (only sizes decide the cuts).
+        tensor = (tensor.detach().to("cpu").clone(memory_format=torch.contiguous_format) if self.keep
+                  else torch.empty(tensor.shape, dtype=tensor.dtype, device="meta"))
+        if name in self.sent:  # a tied embedding's second copy (last PP stage): equal, or a bug
+            first = self.sent[name]
+            if self.keep and first is not None and not torch.equal(first, tensor):
+                raise RuntimeError(f"{name}: the copies on different pipeline stages differ")
+            return []
+        self.sent[name] = tensor if name in _EMBEDDINGS else None
+        if self.variant == "sync-unsynced-tied-embedding" and self.tied and self.pp > 1 and name in _EMBEDDINGS:
+            return []  # the upstream bug: the tied weight is left to "the other stage"
+        if self.variant == "sync-swapped-tp-shards" and self.tp > 1 and name.endswith(_COLUMN_PARALLEL):
+            tensor = torch.cat(list(reversed(tensor.chunk(self.tp, dim=0))), dim=0)
+        for half in ("gate_proj", "up_proj"):
+            if name.endswith(f".{half}.weight"):
+                return self._fuse(name[: -len(f"{half}.weight")], half, tensor)
+        return [(name, tensor)]
+
+    def _fuse(self, prefix: str, half: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        pair = self.halves.setdefault(prefix, {})
+        pair[half] = tensor
+        if len(pair) < 2:
+            return []
+        del self.halves[prefix]
+        order = ("up_proj", "gate_proj") if self.variant == "sync-swapped-gate-up" else ("gate_proj", "up_proj")
+        return [(f"{prefix}{FUSED_GATE_UP}.weight", torch.cat([pair[order[0]], pair[order[1]]], dim=0))]
+
+
+def engine_weight_diffs(engine_weights: dict[str, torch.Tensor], exported: dict[str, torch.Tensor]
+                        ) -> dict[str, Any]:
+    """How the engine's weights differ from the policy's exported ones: names missing on either
+    side, names not bit-equal (dtype and values), the largest |difference|."""
+    missing = sorted(set(exported) - set(engine_weights))
+    extra = sorted(set(engine_weights) - set(exported))
+    unequal, worst = [], 0.0
+    for name in sorted(set(exported) & set(engine_weights)):
+        a, b = engine_weights[name], exported[name]
+        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
+            unequal.append(name)
+            if a.shape == b.shape:
+                worst = max(worst, float((a.double() - b.double()).abs().max()))
+            else:
+                worst = float("inf")
+    return {"missing": missing, "extra": extra, "unequal": unequal, "max_abs_diff": worst}

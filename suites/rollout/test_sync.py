@@ -1,0 +1,67 @@
+"""Weight sync from every layout: after a training step and a sync the engine holds the policy's
+exported weights bit for bit, its logprobs of its own samples match the trainer's, and a second
+sync with no step changes nothing (harness.rollout.check). The catalog's weight-sync variants fail
+the same check: suites/sensitivity."""
+from __future__ import annotations
+
+import pytest
+
+from harness.rollout import HFEngine, sync_weights
+from harness.rollout.check import sync_check
+from harness.variants import VariantError
+
+
+def _record(report, result):
+    for row in result.rows():
+        report.add(row.metric, row.value, tolerance=row.tolerance, passed=row.passed, layout=row.layout,
+                   model=row.model, dtype=row.dtype, device=row.device, **row.extra)
+
+
+@pytest.mark.layouts(cpu=["tp2", "pp2", "dp2"], cuda="all")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_synced_engine_equals_the_trained_policy(policy, device, layout, dtype, report):
+    result = sync_check(policy, layout, dtype, device=device)
+    _record(report, result)
+    assert result.passed, result.summary()
+    assert result.report.buckets > 10  # small buckets: the stream really is cut
+
+
+@pytest.mark.layouts(cpu=["pp2"], cuda=["pp2", "pp2vpp2"])
+def test_a_tied_model_under_pp_syncs_its_one_embedding(policy, device, layout, report):
+    result = sync_check(policy, layout, "fp32", device=device, model="tiny-qwen3-tied", steps=2)
+    _record(report, result)
+    assert result.passed, result.summary()
+    assert "lm_head.weight" not in result.report.names and "model.embed_tokens.weight" in result.report.names
+
+
+@pytest.mark.layouts(cpu=["tp2"], cuda=["tp2"])
+def test_buckets_stay_under_their_bound_and_carry_every_tensor_once(policy, device, layout):
+    p = policy(layout, lr=1e-3)
+    engine = HFEngine("tiny-qwen3", device="cuda" if device == "cuda" else "cpu")
+    exported = p.hf_state_dict()
+    largest = max(t.numel() * t.element_size() for t in exported.values())
+    seen = []
+    report = sync_weights(p, engine, bucket_bytes=20_000, progress=lambda r: seen.append(r.buckets))
+    assert seen == list(range(1, report.buckets + 1))
+    assert report.max_bucket_bytes <= max(20_000, 2 * largest)  # a fused gate_up is two tensors in one
+    assert len(report.names) == len(set(report.names))
+    unfused = {n for n in exported if not n.endswith(("gate_proj.weight", "up_proj.weight"))}
+    assert unfused <= set(report.names) and report.bytes == sum(t.numel() * t.element_size() for t in exported.values())
+
+
+@pytest.mark.layouts(cpu=["dp2"], cuda=["dp2"])
+def test_bad_sync_input_is_one_clear_error_before_any_work(policy, device, layout):
+    p = policy(layout)
+    engine = HFEngine("tiny-qwen3")
+    with pytest.raises(ValueError, match="bucket_bytes must be a positive integer"):
+        sync_weights(p, engine, bucket_bytes=0)
+    with pytest.raises(VariantError, match="needs tensor parallelism"):
+        sync_weights(p, engine, variant="sync-swapped-tp-shards")
+    with pytest.raises(VariantError, match="is a training variant"):
+        sync_weights(p, engine, variant="no-finalize-grads")
+    p.offload(params=True, grads=False, optimizer=False)
+    from harness.offload import OffloadedError
+
+    with pytest.raises(OffloadedError, match="weight sync"):
+        sync_weights(p, engine)
+    p.reload()
