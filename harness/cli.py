@@ -61,6 +61,13 @@ def _parser() -> argparse.ArgumentParser:
     repro_arguments(repro)
     repro.set_defaults(handler="harness.variants.cli:main")
 
+    from harness.rl.cli import add_arguments as loop_arguments
+
+    loop = commands.add_parser("loop", help="the GRPO loop (engine, rewards, policy steps, weight sync) with "
+                                            "per-iteration metrics and a run report with plots")
+    loop_arguments(loop)
+    loop.set_defaults(handler="harness.rl.cli:main")
+
     ckpt = commands.add_parser("ckpt", help="inspect dist checkpoints")
     ckpts = ckpt.add_subparsers(dest="ckpt", required=True)
     from harness.checkpoint.diff import add_arguments as diff_arguments

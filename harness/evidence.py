@@ -15,6 +15,7 @@ H100_TP1 = "reports/gpu/2026-11-23-h100-tp1/run/results.json"
 H100_CKPT = "reports/gpu/2026-11-23-h100-ckpt/run1/run/results.json"
 CPU_OFFLOAD = "reports/cpu/2026-11-23-offload/run/results.json"
 H100_OFFLOAD = "reports/gpu/2026-11-23-h100-offload/run/results.json"
+CPU_ROLLOUT = "reports/cpu/2026-11-23-rollout/run/results.json"
 H200X2_PARITY = "reports/gpu/2026-11-23-h200x2/fixes/run/results.json"
 H200X2_RUN = "reports/gpu/2026-11-23-h200x2/parity-training-sensitivity/run/results.json"
 
@@ -24,6 +25,7 @@ NOTES = {
     H100_CKPT: "1x H100, NCCL, tp1: async checkpointing, the crash suite's CI slice (issue 12 run)",
     CPU_OFFLOAD: "CPU/gloo, the offload suite at dp2/tp2/pp2, fp32 and bf16 (issue 13 run)",
     H100_OFFLOAD: "1x H100, CUDA memory_allocated deltas, the offload suite at tp1 (issue 13 run)",
+    CPU_ROLLOUT: "CPU/gloo, suites/rollout at tp2/pp2/dp2 (tied pp2), fp32 and bf16 (issue 14 run)",
     H200X2_PARITY: "2x H200, NCCL, the parity suite at every 1- and 2-rank layout (issue 11 run, 42c57bf)",
     H200X2_RUN: "2x H200, NCCL, the training suite at every 1- and 2-rank layout (issue 11 run, 9ef6392)",
 }

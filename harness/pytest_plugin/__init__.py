@@ -6,5 +6,5 @@
 | `parametrize` | `device` / `layouts` / `layout_pairs` parametrization, the machine's CUDA layouts |
 | `worlds` | `world_pool`, `world`, `fresh_world`; skipping tests whose world does not fit |
 | `reporting` | the run report (results.json, rendered at session end), `report`, `report_dir`, xdist |
-| `workers` | `policy`, `reference`: resident training workers on the persistent worlds |
+| `workers` | `policy`, `reference`: resident training workers on the persistent worlds; `rl_loop`: a GRPO loop |
 """

@@ -9,7 +9,15 @@ regime), so the bounds are measured ones.
 """
 from __future__ import annotations
 
+from harness.evidence import CPU_ROLLOUT, cite
 from harness.tolerance import Tolerance, ToleranceTable
+
+
+def _evidence(metric: str, dtype: str, figure: float, digits: int = 2):
+    """The rollout suite's rows of the fixed path (no variant) in the committed CPU run."""
+    return cite((("suite", "rollout"), ("metric", metric), ("dtype", dtype), ("extra.variant", None)),
+                {CPU_ROLLOUT: figure}, digits=digits)
+
 
 EXACT = {
     "unequal_tensors": "after a sync every engine tensor equals the policy's export bit for bit",
@@ -19,14 +27,22 @@ EXACT = {
 }
 
 _TABLE: tuple[Tolerance, ...] = tuple(
-    Tolerance(metric, dtype, 0.0, rationale=f"exact: {why}") for dtype in ("fp32", "bf16")
-    for metric, why in EXACT.items()) + (
-    Tolerance("max_abs", "fp32", 1e-5, rationale="the parity suite's fp32 bound (the same math)"),
-    Tolerance("mean_abs", "fp32", 2e-6, rationale="the parity suite's fp32 bound"),
-    Tolerance("token_mult_prob_error", "fp32", 1 + 1e-5, ideal=1.0, rationale="the parity suite's fp32 bound"),
-    Tolerance("max_abs", "bf16", 0.2, rationale="PROVISIONAL"),
-    Tolerance("mean_abs", "bf16", 0.04, rationale="PROVISIONAL"),
-    Tolerance("token_mult_prob_error", "bf16", 1.05, ideal=1.0, rationale="PROVISIONAL"),
+    Tolerance(metric, dtype, 0.0, rationale=f"exact: {why}", evidence=_evidence(metric, dtype, 0.0))
+    for dtype in ("fp32", "bf16") for metric, why in EXACT.items()) + (
+    Tolerance("max_abs", "fp32", 1e-5, rationale="the parity suite's fp32 bound (the same math); 3.5x "
+              "the worst measured", evidence=_evidence("max_abs", "fp32", 2.9e-6)),
+    Tolerance("mean_abs", "fp32", 2e-6, rationale="the parity suite's fp32 bound; 4x the worst measured",
+              evidence=_evidence("mean_abs", "fp32", 5.1e-7)),
+    Tolerance("token_mult_prob_error", "fp32", 1 + 1e-5, ideal=1.0, rationale="the parity suite's fp32 "
+              "bound, derived from max_abs", derived_from=("max_abs",)),
+    Tolerance("max_abs", "bf16", 0.2, rationale="the parity suite's approximate-regime bound (plain HF "
+              "against Megatron in bf16: tp2's partial sums round differently); 6x the worst measured here",
+              evidence=_evidence("max_abs", "bf16", 0.033)),
+    Tolerance("mean_abs", "bf16", 0.04, rationale="the parity suite's approximate-regime bound; 4x the "
+              "worst measured here", evidence=_evidence("mean_abs", "bf16", 0.0096)),
+    Tolerance("token_mult_prob_error", "bf16", 1.05, ideal=1.0, rationale="NeMo-RL's bound between "
+              "generation and training logprobs, the parity suite's approximate one; 5x the worst "
+              "measured distance from 1", evidence=_evidence("token_mult_prob_error", "bf16", 1.0097, 5)),
 )
 
 TABLE = ToleranceTable("weight-sync", _TABLE)

@@ -1,0 +1,126 @@
+"""`mrh loop`: the GRPO loop outside pytest, with a progress bar and a run report with plots.
+
+    mrh loop --model tiny-qwen3 --layout dp2 --iterations 8 [--colocate] [--out DIR]
+
+Prints one line per iteration (reward, loss, grad norm, token_mult_prob_error, seconds), and writes
+under --out (default reports/loops/<timestamp>): iterations.json (config, versions, every metric and
+the sampled tokens), iterations.csv, loop.png (reward, loss and token_mult_prob_error per
+iteration) and summary.md. Exit 0 done, 2 bad input (before any rank starts).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from harness.bench.ckpt import BadInput, _versions, check_input
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny-qwen3", help="zoo name or local HF checkpoint (default tiny-qwen3)")
+    parser.add_argument("--layout", default=None, help="default dp2 on cpu; cuda: dp2 with 2+ GPUs, else tp1")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default cuda if available, else cpu)")
+    parser.add_argument("--dtype", default="fp32", help="fp32 or bf16 (default fp32)")
+    parser.add_argument("--iterations", type=int, default=8, help="GRPO iterations (default 8)")
+    parser.add_argument("--group-size", type=int, default=4, help="completions per prompt (default 4)")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per iteration (default 4)")
+    parser.add_argument("--max-tokens", type=int, default=4, help="tokens per completion (default 4)")
+    parser.add_argument("--lr", type=float, default=1e-2, help="learning rate (default 1e-2)")
+    parser.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL to a frozen reference (default 0: none)")
+    parser.add_argument("--mixed", action="store_true", help="the parity task alternates EVEN/ODD instructions")
+    parser.add_argument("--colocate", action="store_true", help="offload the policy while the engine generates")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="run report directory (default reports/loops/<timestamp>)")
+
+
+def main(args: argparse.Namespace) -> int:
+    from harness.rl.loop import LoopConfig
+
+    try:
+        checked = check_input(args.model, args.layout, args.device, args.dtype, 1, "temporal")
+        config = LoopConfig(iterations=args.iterations, group_size=args.group_size, prompts_per_step=args.prompts,
+                            max_tokens=args.max_tokens, lr=args.lr, kl_coef=args.kl_coef, dtype=args.dtype,
+                            colocate=args.colocate, mixed=args.mixed, seed=args.seed)
+        rows = config.prompts_per_step * config.group_size
+        layout = checked["layout"]
+        per_rank = rows // layout.dp
+        if rows % layout.dp or per_rank % config.micro_batches:
+            raise BadInput(f"{rows} rollouts per iteration do not split over dp={layout.dp} ranks into "
+                           f"{config.micro_batches} micro-batches each")
+        layout.check_micro_batches(config.micro_batches)
+        out = Path(args.out or f"reports/loops/{time.strftime('%Y%m%d-%H%M%S')}")
+        if out.exists() and any(out.iterdir()):
+            raise BadInput(f"{out} exists and is not empty: nothing is overwritten")
+    except (BadInput, ValueError) as exc:
+        print(f"mrh loop: {exc}", file=sys.stderr)
+        return 2
+    history = _run(checked, config)
+    _write(out, checked, config, history)
+    print(f"run report: {out}", file=sys.stderr)
+    return 0
+
+
+def _run(checked: dict[str, Any], config) -> list:
+    from tqdm import tqdm
+
+    from harness.launch.pool import WorldPool
+    from harness.rl.loop import RLLoop
+
+    layout, device = checked["layout"], checked["device"]
+    print(f"mrh loop: {checked['model']} {layout.name} on {layout.world_size} {device} ranks, {config.dtype}, "
+          f"{config.iterations} iterations of {config.prompts_per_step} prompts x {config.group_size}",
+          file=sys.stderr)
+    pool = WorldPool()
+    try:
+        bar = tqdm(total=config.iterations, desc="iterations", file=sys.stderr)
+
+        def progress(h) -> None:
+            bar.update(1)
+            bar.write(f"{h.iteration:3d}  reward {h.reward_mean:.3f}  loss {h.loss:+.4f}  grad_norm {h.grad_norm:.3f}  "
+                      f"token_mult_prob_error {h.token_mult_prob_error:.6f}  "
+                      + "  ".join(f"{k} {v:.2f}s" for k, v in h.seconds.items()), file=sys.stdout)
+
+        with RLLoop(pool.get(layout.world_size, device), layout, checked["model"], config,
+                    progress=progress) as loop:
+            history = loop.run()
+        bar.close()
+        return history
+    finally:
+        pool.close()
+
+
+def _write(out: Path, checked: dict[str, Any], config, history: list) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from harness.rl.loop import Iteration, as_dicts
+
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"model": checked["model"], "layout": checked["layout"].name, "device": checked["device"],
+            "config": asdict(config), "versions": _versions(), "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    (out / "iterations.json").write_text(json.dumps({**meta, "iterations": as_dicts(history)}, indent=1))
+    with open(out / "iterations.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["iteration", *Iteration.METRICS])
+        writer.writerows([[h.iteration, *h.metrics().values()] for h in history])
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
+    steps = [h.iteration for h in history]
+    for ax, metric in zip(axes, ("reward_mean", "loss", "token_mult_prob_error")):
+        ax.plot(steps, [getattr(h, metric) for h in history], marker="o")
+        ax.set_title(metric)
+        ax.set_xlabel("iteration")
+    fig.suptitle(f"{meta['model']} {meta['layout']} {meta['device']} {config.dtype}")
+    fig.tight_layout()
+    fig.savefig(out / "loop.png", dpi=100)
+    plt.close(fig)
+    lines = [f"# mrh loop: {meta['model']} {meta['layout']} ({meta['device']}, {config.dtype})", "",
+             "| iteration | " + " | ".join(Iteration.METRICS) + " |", "|---" * (len(Iteration.METRICS) + 1) + "|"]
+    lines += [f"| {h.iteration} | " + " | ".join(f"{v:.6g}" for v in h.metrics().values()) + " |" for h in history]
+    (out / "summary.md").write_text("\n".join(lines) + "\n")

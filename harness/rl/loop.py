@@ -1,0 +1,179 @@
+"""A GRPO loop made of the harness's parts: rollouts from the engine, rewards of a tiny task,
+group-normalized advantages, the trainer's old logprobs, a policy step, a weight sync.
+
+    with RLLoop(world, "dp2", "tiny-qwen3", LoopConfig(iterations=6)) as loop:
+        history = loop.run()          # one Iteration per step: reward, loss, grad norm, ...
+
+Each iteration: (colocated: offload the policy, wake the engine) generate n completions per prompt
+-> (colocated: engine sleeps, policy reloads) rewards -> advantages (reward minus the group mean,
+over the group std) -> old logprobs from the trainer (and the engine's, to measure how far the two
+are apart: token_mult_prob_error, NeMo-RL's health metric) -> one policy step -> sync the weights
+into the engine. Everything is seeded from `LoopConfig.seed`: the same seed gives the same
+trajectory.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from harness.rl.task import make_task
+from harness.rollout import DEFAULT_BUCKET_BYTES, HFEngine, Sampling, sync_weights
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    iterations: int = 8
+    task: str = "parity"
+    mixed: bool = False  # the parity task's EVEN/ODD instructions (harness.rl.task)
+    prompts_per_step: int = 4
+    group_size: int = 4  # completions per prompt (GRPO's group)
+    max_tokens: int = 4
+    temperature: float = 1.0
+    lr: float = 1e-2
+    micro_batches: int = 2
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0  # > 0: a frozen reference model's logprobs enter the loss
+    dtype: str = "fp32"
+    colocate: bool = False  # offload the policy while the engine generates; the engine sleeps while it trains
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("iterations", "prompts_per_step", "group_size", "max_tokens", "micro_batches"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.group_size < 2:
+            raise ValueError("group_size must be >= 2: a group of one has no advantage")
+        if self.dtype not in ("fp32", "bf16"):
+            raise ValueError(f"dtype must be fp32 or bf16, got {self.dtype!r}")
+        if not self.lr > 0 or self.kl_coef < 0:
+            raise ValueError("lr must be > 0 and kl_coef >= 0")
+
+
+@dataclass
+class Iteration:
+    iteration: int
+    reward_mean: float
+    reward_std: float
+    loss: float
+    grad_norm: float
+    token_mult_prob_error: float  # engine vs trainer logprobs of the sampled tokens
+    max_abs: float
+    mean_abs: float
+    tokens: list[list[int]] = field(repr=False, default_factory=list)  # the sampled completions
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    METRICS = ("reward_mean", "reward_std", "loss", "grad_norm", "token_mult_prob_error", "max_abs", "mean_abs")
+
+    def metrics(self) -> dict[str, float]:
+        return {m: getattr(self, m) for m in self.METRICS}
+
+
+def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO: (reward - its group's mean) / (its group's std + eps), per row."""
+    out = torch.zeros_like(rewards)
+    for g in groups.unique():
+        rows = groups == g
+        r = rewards[rows]
+        out[rows] = (r - r.mean()) / (r.std(unbiased=False) + eps)
+    return out
+
+
+class RLLoop:
+    """The loop's parts, resident in `world`: a policy, the engine in this process, a reference
+    when kl_coef > 0. `progress(iteration)` after each iteration."""
+
+    def __init__(self, world, layout, model: str = "tiny-qwen3", config: LoopConfig | None = None, *,
+                 progress: Callable[[Iteration], None] | None = None) -> None:
+        from harness.models import load_hf_config
+        from harness.training.handles import PolicyHandle, ReferenceHandle
+
+        self.config = config or LoopConfig()
+        self.progress = progress
+        self.policy = self.reference = None
+        vocab = load_hf_config(model).vocab_size
+        self.task = make_task(self.config.task, vocab, prompts_per_step=self.config.prompts_per_step,
+                              seed=self.config.seed, mixed=self.config.mixed)
+        c = self.config
+        self.policy = PolicyHandle(world, layout, model, seed=c.seed, lr=c.lr, micro_batches=c.micro_batches,
+                                   dtype=c.dtype, loss_kwargs=dict(clip_eps=c.clip_eps, kl_coef=c.kl_coef))
+        self.reference = None
+        try:
+            if c.kl_coef > 0:
+                dtype = torch.float32 if c.dtype == "fp32" else torch.bfloat16
+                self.reference = ReferenceHandle(world, layout, model, dtype=dtype, seed=c.seed)
+            self.engine = HFEngine(model, dtype=torch.float32 if c.dtype == "fp32" else torch.bfloat16,
+                                   device="cuda" if world.device == "cuda" else "cpu")
+            sync_weights(self.policy, self.engine, bucket_bytes=c.bucket_bytes)  # the engine starts as the policy
+        except BaseException:
+            self.close()
+            raise
+        self.history: list[Iteration] = []
+
+    def run(self) -> list[Iteration]:
+        for _ in range(self.config.iterations):
+            self.history.append(self.step())
+            if self.progress:
+                self.progress(self.history[-1])
+        return self.history
+
+    def step(self) -> Iteration:
+        from harness.parity.metrics import compare_logprobs
+        from harness.training.rl_data import RLTrainBatch
+
+        c, it = self.config, len(self.history)
+        seconds: dict[str, float] = {}
+        prompts = self.task.prompts(it)
+        t = time.perf_counter()
+        if c.colocate:
+            self.policy.offload()
+            self.engine.wake()
+        rollouts = self.engine.generate(prompts, Sampling(n=c.group_size, max_tokens=c.max_tokens,
+                                                          temperature=c.temperature, seed=c.seed * 1_000_003 + it))
+        if c.colocate:
+            self.engine.sleep()
+            self.policy.reload()
+        seconds["generate"] = time.perf_counter() - t
+        batch = rollouts.batch
+        rewards = self.task.rewards(prompts, rollouts.prompt_index, rollouts.completions)
+        mask = batch.response_mask & batch.logprob_mask()
+        advantages = torch.where(mask, group_advantages(rewards, rollouts.prompt_index).unsqueeze(1), 0.0)
+        t = time.perf_counter()
+        old = self.policy.logprobs(batch)
+        ref = self.reference.logprobs(batch) if self.reference is not None else old
+        agreement = compare_logprobs(old, rollouts.logprobs, batch.response_mask)
+        stats = self.policy.step(RLTrainBatch(batch, advantages.float(), old, ref))
+        seconds["train"] = time.perf_counter() - t
+        t = time.perf_counter()
+        if c.colocate:
+            self.engine.wake()
+        sync_weights(self.policy, self.engine, bucket_bytes=c.bucket_bytes)
+        seconds["sync"] = time.perf_counter() - t
+        return Iteration(it, float(rewards.mean()), float(rewards.std(unbiased=False)), float(stats["loss"]),
+                         float(stats["grad_norm"]), float(agreement["token_mult_prob_error"]),
+                         float(agreement["max_abs"]), float(agreement["mean_abs"]),
+                         rollouts.completions.tolist(), seconds)
+
+    def close(self) -> None:
+        for handle in (self.policy, self.reference):
+            if handle is not None:
+                handle.close()
+
+    def __enter__(self) -> "RLLoop":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def history_rows(history: list[Iteration], **fields: Any) -> list[dict[str, Any]]:
+    """One report row per iteration and metric (value, no bound: a trajectory, not a check)."""
+    return [dict(metric=m, value=v, iteration=h.iteration, **fields) for h in history for m, v in h.metrics().items()]
+
+
+def as_dicts(history: list[Iteration]) -> list[dict[str, Any]]:
+    return [asdict(h) for h in history]

@@ -1,0 +1,41 @@
+"""`mrh loop`: bad input is one line and exit 2 before any rank starts; a run prints each
+iteration and writes its report (JSON, CSV, plot, summary)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness.cli import main
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--layout", "tp3"], "tp=3 does not divide"),
+    (["--dtype", "fp16"], "unknown dtype"),
+    (["--iterations", "0"], "iterations must be a positive integer"),
+    (["--group-size", "1"], "group_size must be >= 2"),
+    (["--group-size", "3", "--prompts", "3"], "do not split over dp=2"),
+    (["--model", "/nonexistent"], "nonexistent"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message, capsys, tmp_path):
+    assert main(["loop", "--device", "cpu", "--out", str(tmp_path / "r"), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "r").exists()
+
+
+def test_an_existing_report_is_never_overwritten(tmp_path, capsys):
+    (tmp_path / "keep.txt").write_text("mine")
+    assert main(["loop", "--device", "cpu", "--out", str(tmp_path)]) == 2
+    assert "nothing is overwritten" in capsys.readouterr().err and (tmp_path / "keep.txt").read_text() == "mine"
+
+
+def test_a_run_prints_each_iteration_and_writes_its_report(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["loop", "--device", "cpu", "--layout", "dp2", "--iterations", "2", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("token_mult_prob_error") == 2 and "reward" in printed
+    data = json.loads((out / "iterations.json").read_text())
+    assert [it["iteration"] for it in data["iterations"]] == [0, 1] and data["layout"] == "dp2"
+    assert (out / "loop.png").stat().st_size > 1000 and (out / "iterations.csv").read_text().count("\n") == 3
+    assert "| 1 |" in (out / "summary.md").read_text()
