@@ -105,3 +105,16 @@ def test_colocation_offloads_around_generation_and_changes_nothing(rl_loop, devi
         assert _trajectory(got) == _trajectory(want)
     else:
         assert [h.tokens for h in got] == [h.tokens for h in want]
+
+
+@pytest.mark.layouts(cpu=["dp2"], cuda=["dp2"])
+def test_a_kl_penalty_brings_in_the_reference_and_changes_the_step(rl_loop, device, layout, runs, report):
+    """kl_coef > 0: a frozen reference's logprobs enter the loss. Step 1 samples what the plain run
+    sampled (same weights after step 0's zero KL), but its update differs once the policy moved."""
+    want = _dp2(rl_loop, report, runs, 3)
+    loop = rl_loop(layout, iterations=3, kl_coef=0.5)
+    assert loop.reference is not None
+    got = loop.run()
+    loop.close()
+    assert got[0].tokens == want[0].tokens and got[0].grad_norm == pytest.approx(want[0].grad_norm, rel=1e-6)
+    assert got[1].tokens == want[1].tokens and got[1].grad_norm != want[1].grad_norm
