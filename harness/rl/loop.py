@@ -170,10 +170,5 @@ class RLLoop:
         self.close()
 
 
-def history_rows(history: list[Iteration], **fields: Any) -> list[dict[str, Any]]:
-    """One report row per iteration and metric (value, no bound: a trajectory, not a check)."""
-    return [dict(metric=m, value=v, iteration=h.iteration, **fields) for h in history for m, v in h.metrics().items()]
-
-
 def as_dicts(history: list[Iteration]) -> list[dict[str, Any]]:
     return [asdict(h) for h in history]
