@@ -133,6 +133,42 @@ class CheckResult(NamedTuple):
         return cls(metric, value, bound, bound.passes(value))
 
 
+class Judged:
+    """What the result of a check shares (the offload round trip, the resume comparison, the weight
+    sync): its `checks` (each a value held to its bound) and its `failures` in words, both lists the
+    subclass holds with its `dtype` and `device`; pass/fail, the separation, the report rows."""
+
+    checks: list[CheckResult]
+    failures: list[str]
+    dtype: str
+    device: str
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    @property
+    def separation(self) -> float:
+        return separation(self.checks)
+
+    def judge(self, metric: str, value: float, bound: "Tolerance", failure: str) -> CheckResult:
+        """Record `value` of `metric` held to `bound`; `failure` is what a failure says."""
+        result = CheckResult.judge(metric, value, bound)
+        self.checks.append(result)
+        if not result.passed:
+            self.failures.append(failure)
+        return result
+
+    def check_rows(self, layout: str, model: str, /, **extra: Any) -> list:
+        """One report row per check (suite and test are filled in by the recorder)."""
+        from harness.report.rows import Row
+
+        return [Row(suite="", test="", layout=layout, metric=c.metric, value=c.value, tolerance=c.tolerance.limit,
+                    passed=c.passed, model=model, dtype=self.dtype, device=self.device,
+                    extra=dict(extra, tolerance_kind=c.tolerance.kind))
+                for c in self.checks]
+
+
 def separation(checks: Iterable[CheckResult]) -> float:
     """How far the worst metric of a failing comparison is past its bound (see `Tolerance.margin`):
     the figure a negative control must push to >= SENSITIVITY_MARGIN."""

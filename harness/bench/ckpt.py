@@ -111,24 +111,15 @@ def default_layout(device: str) -> str:
     return "dp2" if device == "cpu" or _gpu_count() >= 2 else "tp1"
 
 
-def check_input(model: str, layout: str | None, device: str | None, dtype: str, saves: int,
-                caller: str) -> dict[str, Any]:
-    """Everything that can be wrong with the request, before any rank starts: raises BadInput.
-    The checks that need no import come first."""
+def check_target(model: str, layout: str | None, device: str | None, dtype: str) -> dict[str, Any]:
+    """What every command that runs a policy checks before any rank starts (the benches, `mrh loop`):
+    the device, the dtype, the model, the layout against the model, the GPUs it needs. Raises
+    BadInput. The checks that need no import come first."""
     if device not in (None, "cpu", "cuda"):
         raise BadInput(f"unknown device {device!r}; choose cpu or cuda")
     if dtype not in DTYPES:
         raise BadInput(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
-    if not isinstance(saves, int) or saves < 1:
-        raise BadInput(f"--saves must be an integer >= 1, got {saves!r}")
-    callers = list(CALLERS) if caller == "both" else [caller]
-    if any(c not in CALLERS for c in callers):
-        raise BadInput(f"unknown caller {caller!r}; choose temporal, persistent or both")
     device = device or default_device()
-    if device == "cpu" and "persistent" in callers:
-        raise BadInput("the persistent caller needs CUDA: on CPU its spawned worker dies with ZeroDivisionError "
-                       "at `rank % torch.cuda.device_count()` and the trainer waits forever; use --caller "
-                       "temporal on cpu, or --device cuda")
     from harness.models import ModelNotFoundError, load_hf_config
     from harness.parallel.layout import LayoutError, parse_layout, validate
 
@@ -147,8 +138,23 @@ def check_input(model: str, layout: str | None, device: str | None, dtype: str, 
         gpus = _gpu_count()
         if gpus < parsed.world_size:
             raise BadInput(f"layout {parsed.name} needs {parsed.world_size} GPUs, {gpus} visible")
-    return {"model": model, "layout": parsed, "device": device, "dtype": dtype, "saves": saves,
-            "callers": callers, "vocab_size": int(config.vocab_size)}
+    return {"model": model, "layout": parsed, "device": device, "dtype": dtype, "vocab_size": int(config.vocab_size)}
+
+
+def check_input(model: str, layout: str | None, device: str | None, dtype: str, saves: int,
+                caller: str) -> dict[str, Any]:
+    """Everything that can be wrong with a `mrh bench ckpt` request (`check_target`, the saves, the
+    callers), before any rank starts: raises BadInput."""
+    if not isinstance(saves, int) or saves < 1:
+        raise BadInput(f"--saves must be an integer >= 1, got {saves!r}")
+    callers = list(CALLERS) if caller == "both" else [caller]
+    if any(c not in CALLERS for c in callers):
+        raise BadInput(f"unknown caller {caller!r}; choose temporal, persistent or both")
+    if (device or default_device()) == "cpu" and "persistent" in callers:
+        raise BadInput("the persistent caller needs CUDA: on CPU its spawned worker dies with ZeroDivisionError "
+                       "at `rank % torch.cuda.device_count()` and the trainer waits forever; use --caller "
+                       "temporal on cpu, or --device cuda")
+    return {**check_target(model, layout, device, dtype), "saves": saves, "callers": callers}
 
 
 def _batch_maker(vocab_size: int, rows_multiple: int) -> Callable[[int], Any]:

@@ -27,7 +27,7 @@ import sys
 import time
 from typing import Any
 
-from harness.bench.ckpt import BadInput, _batch_maker, _versions, check_input
+from harness.bench.ckpt import BadInput, _batch_maker, _versions, check_target
 
 TARGET = 0.8  # of the pinned bandwidth (issue 13)
 MAX_PROBE = 4 << 30
@@ -108,7 +108,7 @@ def run(model: str, layout: str | None = None, device: str | None = None, dtype:
 
     if not isinstance(cycles, int) or isinstance(cycles, bool) or cycles < 1:
         raise BadInput(f"--cycles must be an integer >= 1, got {cycles!r}")
-    request = check_input(model, layout, device, dtype, 1, "temporal")
+    request = check_target(model, layout, device, dtype)
     layout_, device = request["layout"], request["device"]
     config = {**CONFIG, "dtype": dtype}
     batch = _batch_maker(request["vocab_size"], layout_.dp * config["micro_batches"])

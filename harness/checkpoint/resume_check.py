@@ -21,7 +21,7 @@ import torch
 
 from harness.checkpoint.tolerances import resume_tolerance
 from harness.report import Row
-from harness.tolerance import CheckResult, separation
+from harness.tolerance import CheckResult, Judged
 
 MODEL = "tiny-qwen3-kv4"  # 4 KV heads: every layout of 4 GPUs (TP4 included) is valid
 CONFIG = dict(lr=1e-3, weight_decay=0.01, clip_grad=1.0, eps=1e-6, micro_batches=2,
@@ -66,7 +66,7 @@ def train_and_save(make_policy: Callable, layout: str, directory: str | Path, *,
 
 
 @dataclass
-class ResumeResult:
+class ResumeResult(Judged):
     pair: str
     dtype: str
     device: str
@@ -77,21 +77,9 @@ class ResumeResult:
     load_error: str | None = None  # what the load raised, if it did
     load: dict[str, Any] = field(default_factory=dict)  # load_checkpoint's info when it loaded
 
-    @property
-    def passed(self) -> bool:
-        return not self.failures
-
-    @property
-    def separation(self) -> float:
-        return separation(self.checks)
-
     def rows(self, **fields: Any) -> list[Row]:
         regime = "same-layout" if self.same_layout else "other-layout"
-        return [Row(suite="", test="", layout=self.pair, metric=c.metric, value=c.value,
-                    tolerance=c.tolerance.limit, passed=c.passed, model=MODEL, dtype=self.dtype,
-                    device=self.device, extra=dict(fields, variant=self.variant, regime=regime,
-                                                   tolerance_kind=c.tolerance.kind))
-                for c in self.checks]
+        return self.check_rows(self.pair, MODEL, **fields, variant=self.variant, regime=regime)
 
     def summary(self) -> str:
         what = f"{self.pair} {self.dtype}" + (f" variant={self.variant}" if self.variant else "")
@@ -103,10 +91,7 @@ class ResumeResult:
 
 def _check(result: ResumeResult, metric: str, value: float, what: str) -> None:
     bound = resume_tolerance(metric, result.dtype, same_layout=result.same_layout)
-    check = CheckResult.judge(metric, value, bound)
-    result.checks.append(check)
-    if not check.passed:
-        result.failures.append(f"{what}: {value:.3g} (bound {bound.kind} {bound.limit:g})")
+    result.judge(metric, value, bound, f"{what}: {value:.3g} (bound {bound.kind} {bound.limit:g})")
 
 
 def resume_and_compare(make_policy: Callable, source: Uninterrupted, target_layout: str, *,

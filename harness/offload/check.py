@@ -20,7 +20,7 @@ from harness.offload import inventory
 from harness.offload.storages import readable, storage_id, whole
 from harness.offload.tolerances import offload_tolerance
 from harness.report import Row
-from harness.tolerance import CheckResult, separation
+from harness.tolerance import CheckResult, Judged
 
 MODEL = "tiny-qwen3-kv4"
 CONFIG = dict(lr=1e-3, weight_decay=0.01, clip_grad=1.0, eps=1e-6, micro_batches=2,
@@ -73,7 +73,7 @@ def aliasing(worker) -> list[str]:
 
 # ------------------------------------------------------------------------------ parent side
 @dataclass
-class RoundTrip:
+class RoundTrip(Judged):
     layout: str
     dtype: str
     device: str
@@ -82,29 +82,14 @@ class RoundTrip:
     failures: list[str] = field(default_factory=list)
     byte_rows: list[Row] = field(default_factory=list)  # per rank, component and operation
 
-    @property
-    def passed(self) -> bool:
-        return not self.failures
-
-    @property
-    def separation(self) -> float:
-        return separation(self.checks)
-
     def check(self, metric: str, value: float, detail: str = "") -> None:
-        bound = offload_tolerance(metric, self.dtype)
-        result = CheckResult.judge(metric, value, bound)
-        self.checks.append(result)
-        if not result.passed:
-            self.failures.append(f"{metric}={value:g}" + (f" ({detail})" if detail else ""))
+        self.judge(metric, value, offload_tolerance(metric, self.dtype),
+                   f"{metric}={value:g}" + (f" ({detail})" if detail else ""))
 
     def rows(self, **fields: Any) -> list[Row]:
-        rows = [Row(suite="", test="", layout=self.layout, metric=c.metric, value=c.value,
-                    tolerance=c.tolerance.limit, passed=c.passed, model=MODEL, dtype=self.dtype,
-                    device=self.device, extra=dict(fields, variant=self.variant, tolerance_kind=c.tolerance.kind))
-                for c in self.checks]
         for row in self.byte_rows:
             row.extra.update(fields)
-        return rows + self.byte_rows
+        return self.check_rows(self.layout, MODEL, **fields, variant=self.variant) + self.byte_rows
 
     def summary(self) -> str:
         what = f"{self.layout} {self.dtype}" + (f" variant={self.variant}" if self.variant else "")

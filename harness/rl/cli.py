@@ -18,7 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from harness.bench.ckpt import BadInput, _versions, check_input
+from harness.bench.ckpt import BadInput, _versions, check_target
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +42,7 @@ def main(args: argparse.Namespace) -> int:
     from harness.rl.loop import LoopConfig
 
     try:
-        checked = check_input(args.model, args.layout, args.device, args.dtype, 1, "temporal")
+        checked = check_target(args.model, args.layout, args.device, args.dtype)
         config = LoopConfig(iterations=args.iterations, group_size=args.group_size, prompts_per_step=args.prompts,
                             max_tokens=args.max_tokens, lr=args.lr, kl_coef=args.kl_coef, dtype=args.dtype,
                             colocate=args.colocate, mixed=args.mixed, seed=args.seed)

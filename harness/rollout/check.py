@@ -16,7 +16,7 @@ import torch
 from harness.report import Row
 from harness.rollout.engine import Sampling
 from harness.rollout.tolerances import sync_tolerance
-from harness.tolerance import CheckResult, separation
+from harness.tolerance import CheckResult, Judged
 
 MODEL = "tiny-qwen3"
 BUCKET_BYTES = 16 << 10  # small: the tiny model streams in ~100 buckets, so a skipped one shows
@@ -38,7 +38,7 @@ def engine_device(device: str) -> str:
 
 
 @dataclass
-class SyncResult:
+class SyncResult(Judged):
     layout: str
     dtype: str
     device: str
@@ -48,25 +48,12 @@ class SyncResult:
     failures: list[str] = field(default_factory=list)
     report: Any = None  # the SyncReport of the synced step
 
-    @property
-    def passed(self) -> bool:
-        return not self.failures
-
-    @property
-    def separation(self) -> float:
-        return separation(self.checks)
-
     def check(self, metric: str, value: float, detail: str = "") -> None:
-        result = CheckResult.judge(metric, value, sync_tolerance(metric, self.dtype))
-        self.checks.append(result)
-        if not result.passed:
-            self.failures.append(f"{metric}={value:g}" + (f" ({detail})" if detail else ""))
+        self.judge(metric, value, sync_tolerance(metric, self.dtype),
+                   f"{metric}={value:g}" + (f" ({detail})" if detail else ""))
 
     def rows(self, **fields: Any) -> list[Row]:
-        return [Row(suite="", test="", layout=self.layout, metric=c.metric, value=c.value,
-                    tolerance=c.tolerance.limit, passed=c.passed, model=self.model, dtype=self.dtype,
-                    device=self.device, extra=dict(fields, variant=self.variant, tolerance_kind=c.tolerance.kind))
-                for c in self.checks]
+        return self.check_rows(self.layout, self.model, **fields, variant=self.variant)
 
     def summary(self) -> str:
         what = f"{self.model} {self.layout} {self.dtype}" + (f" variant={self.variant}" if self.variant else "")

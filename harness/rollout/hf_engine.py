@@ -136,8 +136,7 @@ class HFEngine:
 
     def wake(self) -> None:
         if self.device.type == "cuda":
-            self.model.to(self.device)
-        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+            self.model.to(self.device)  # in place: the Parameter objects in _params stay the same
         self.asleep = False
 
     def _awake(self, what: str) -> None:
