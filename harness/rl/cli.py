@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL to a frozen reference (default 0: none)")
     parser.add_argument("--mixed", action="store_true", help="the parity task alternates EVEN/ODD instructions")
     parser.add_argument("--colocate", action="store_true", help="offload the policy while the engine generates")
+    parser.add_argument("--engine", default="hf", choices=["hf", "vllm"],
+                        help="rollout engine (default hf); vllm needs `make vllm` and a head_dim >= 32 model, "
+                             "e.g. tiny-qwen3-hd32")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="run report directory (default reports/loops/<timestamp>)")
 
@@ -45,7 +48,9 @@ def main(args: argparse.Namespace) -> int:
         checked = check_target(args.model, args.layout, args.device, args.dtype)
         config = LoopConfig(iterations=args.iterations, group_size=args.group_size, prompts_per_step=args.prompts,
                             max_tokens=args.max_tokens, lr=args.lr, kl_coef=args.kl_coef, dtype=args.dtype,
-                            colocate=args.colocate, mixed=args.mixed, seed=args.seed)
+                            colocate=args.colocate, mixed=args.mixed, seed=args.seed, engine=args.engine)
+        if config.engine == "vllm":
+            _check_vllm(args.model, checked["device"])
         rows = config.prompts_per_step * config.group_size
         layout = checked["layout"]
         per_rank = rows // layout.dp
@@ -63,6 +68,18 @@ def main(args: argparse.Namespace) -> int:
     _write(out, checked, config, history)
     print(f"run report: {out}", file=sys.stderr)
     return 0
+
+
+def _check_vllm(model: str, device: str) -> None:
+    """The vLLM environment and the model's head size, before any rank starts."""
+    from harness.models import load_hf_config
+    from harness.rollout.vllm_engine import VLLMUnavailable, check_model, vllm_python
+
+    try:
+        vllm_python()
+    except VLLMUnavailable as exc:
+        raise BadInput(str(exc)) from None
+    check_model(load_hf_config(model), device)
 
 
 def _run(checked: dict[str, Any], config) -> list:
@@ -120,7 +137,7 @@ def _write(out: Path, checked: dict[str, Any], config, history: list) -> None:
     fig.tight_layout()
     fig.savefig(out / "loop.png", dpi=100)
     plt.close(fig)
-    lines = [f"# mrh loop: {meta['model']} {meta['layout']} ({meta['device']}, {config.dtype})", "",
+    lines = [f"# mrh loop: {meta['model']} {meta['layout']} ({meta['device']}, {config.dtype}, {config.engine} engine)", "",
              "| iteration | " + " | ".join(Iteration.METRICS) + " |", "|---" * (len(Iteration.METRICS) + 1) + "|"]
     lines += [f"| {h.iteration} | " + " | ".join(f"{v:.6g}" for v in h.metrics().values()) + " |" for h in history]
     (out / "summary.md").write_text("\n".join(lines) + "\n")

@@ -20,7 +20,8 @@ from typing import Any, Callable
 import torch
 
 from harness.rl.task import make_task
-from harness.rollout import DEFAULT_BUCKET_BYTES, HFEngine, Sampling, sync_weights
+from harness.rollout import DEFAULT_BUCKET_BYTES, Sampling, sync_weights
+from harness.rollout.engines import ENGINES, open_engine
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class LoopConfig:
     colocate: bool = False  # offload the policy while the engine generates; the engine sleeps while it trains
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     seed: int = 0
+    engine: str = "hf"  # or "vllm" (harness.rollout.engines; a head_dim >= 32 model on CPU)
 
     def __post_init__(self) -> None:
         for name in ("iterations", "prompts_per_step", "group_size", "max_tokens", "micro_batches"):
@@ -52,6 +54,8 @@ class LoopConfig:
             raise ValueError(f"dtype must be fp32 or bf16, got {self.dtype!r}")
         if not self.lr > 0 or self.kl_coef < 0:
             raise ValueError("lr must be > 0 and kl_coef >= 0")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
 
 
 @dataclass
@@ -106,8 +110,8 @@ class RLLoop:
             if c.kl_coef > 0:
                 dtype = torch.float32 if c.dtype == "fp32" else torch.bfloat16
                 self.reference = ReferenceHandle(world, layout, model, dtype=dtype, seed=c.seed)
-            self.engine = HFEngine(model, dtype=torch.float32 if c.dtype == "fp32" else torch.bfloat16,
-                                   device="cuda" if world.device == "cuda" else "cpu")
+            self.engine = open_engine(c.engine, model, dtype=torch.float32 if c.dtype == "fp32" else torch.bfloat16,
+                                      device="cuda" if world.device == "cuda" else "cpu")
             sync_weights(self.policy, self.engine, bucket_bytes=c.bucket_bytes)  # the engine starts as the policy
         except BaseException:
             self.close()

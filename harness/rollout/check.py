@@ -44,6 +44,7 @@ class SyncResult(Judged):
     device: str
     variant: str | None
     model: str
+    engine: str = "hf"
     checks: list[CheckResult] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     report: Any = None  # the SyncReport of the synced step
@@ -53,26 +54,28 @@ class SyncResult(Judged):
                    f"{metric}={value:g}" + (f" ({detail})" if detail else ""))
 
     def rows(self, **fields: Any) -> list[Row]:
-        return self.check_rows(self.layout, self.model, **fields, variant=self.variant)
+        return self.check_rows(self.layout, self.model, **fields, variant=self.variant,
+                               **({"engine": self.engine} if self.engine != "hf" else {}))
 
     def summary(self) -> str:
-        what = f"{self.model} {self.layout} {self.dtype}" + (f" variant={self.variant}" if self.variant else "")
+        what = f"{self.model} {self.layout} {self.dtype} {self.engine}" + (f" variant={self.variant}" if self.variant else "")
         return f"{what}: " + ("; ".join(self.failures) if self.failures else "engine equals the policy")
 
 
 def sync_check(make_policy: Callable[..., Any], layout: str, dtype: str = "fp32", *, variant: str | None = None,
-               device: str = "cpu", model: str | None = None, steps: int = 1) -> SyncResult:
-    """Run (a)-(c) on a fresh policy and a fresh HF engine; closes the policy."""
+               device: str = "cpu", model: str | None = None, steps: int = 1, engine: str = "hf") -> SyncResult:
+    """Run (a)-(c) on a fresh policy and an engine at the checkpoint's weights ("hf" or "vllm",
+    harness.rollout.engines); closes the policy."""
     from harness.models import load_hf_config
-    from harness.rollout.hf_engine import HFEngine
+    from harness.rollout.engines import open_engine
     from harness.rollout.sync import engine_weight_diffs, sync_weights
     from harness.training import make_rl_train_batch
 
     model = model or MODEL
-    result = SyncResult(str(layout), dtype, device, variant, model)
+    result = SyncResult(str(layout), dtype, device, variant, model, engine=engine)
     policy = make_policy(layout, model, **CONFIG, dtype=dtype)
     try:
-        engine = HFEngine(model, dtype=DTYPES[dtype], device=engine_device(device))
+        engine = open_engine(engine, model, dtype=DTYPES[dtype], device=engine_device(device))
         vocab = load_hf_config(model).vocab_size
         for step in range(steps):
             policy.step(make_rl_train_batch(vocab, batch_size=4, seed=step, prompt_lengths=[3, 6, 2, 5],

@@ -74,3 +74,44 @@ class RolloutEngine(Protocol):
 
 class EngineAsleep(RuntimeError):
     """The engine was asked to generate or take weights while asleep."""
+
+
+def prompt_rows(prompts: Sequence[Sequence[int]], n: int, vocab_size: int, pad_id: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-padded prompt rows, each prompt n times in a row: (ids, mask, prompt index)."""
+    prompts = [list(map(int, p)) for p in prompts]
+    if not prompts or any(not p for p in prompts):
+        raise ValueError("need at least one prompt, and no empty prompt")
+    bad = sorted({t for p in prompts for t in p if not 0 <= t < vocab_size})
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+    width = max(len(p) for p in prompts)
+    rows = [p for p in prompts for _ in range(n)]
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for r, p in enumerate(rows):
+        ids[r, width - len(p):] = torch.tensor(p)
+        mask[r, width - len(p):] = True
+    index = torch.arange(len(prompts)).repeat_interleave(n)
+    return ids, mask, index
+
+
+def make_rollouts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, index: torch.Tensor,
+                  tokens: torch.Tensor, logprobs: torch.Tensor, pad_id: int) -> Rollouts:
+    """Prompt rows + sampled tokens [B, T] and their logprobs [B, T] as `Rollouts`."""
+    ones = torch.ones_like(tokens, dtype=torch.bool)
+    batch = RLBatch(input_ids=torch.cat([prompt_ids, tokens], 1),
+                    attention_mask=torch.cat([prompt_mask, ones], 1),
+                    response_mask=torch.cat([torch.zeros_like(prompt_mask), ones], 1),
+                    pad_id=pad_id)
+    full = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+    full[:, prompt_ids.shape[1]:] = logprobs
+    return Rollouts(batch, full, index)
+
+
+def unfuse(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A fused gate_up_proj split into gate_proj and up_proj (gate rows first); anything else as is."""
+    if f".{FUSED_GATE_UP}." not in name:
+        return [(name, tensor)]
+    gate, up = tensor.chunk(2, dim=0)
+    return [(name.replace(FUSED_GATE_UP, "gate_proj"), gate), (name.replace(FUSED_GATE_UP, "up_proj"), up)]

@@ -14,8 +14,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from harness.data.rl_batch import RLBatch
-from harness.rollout.engine import FUSED_GATE_UP, EngineAsleep, Rollouts, Sampling
+from harness.rollout.engine import EngineAsleep, Rollouts, Sampling, make_rollouts, prompt_rows, unfuse
 
 
 class HFEngine:
@@ -40,7 +39,7 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> Rollouts:
         self._awake("generate")
-        prompt_ids, prompt_mask, index = self._prompt_rows(prompts, sampling.n)
+        prompt_ids, prompt_mask, index = prompt_rows(prompts, sampling.n, self.vocab_size, self.pad_id)
         generator = torch.Generator().manual_seed(sampling.seed)
         ids = prompt_ids.to(self.device)
         mask = prompt_mask.to(self.device)
@@ -57,25 +56,8 @@ class HFEngine:
             positions = positions[:, -1:] + 1
             out = self.model(input_ids=token.unsqueeze(1).to(self.device), attention_mask=mask.long(),
                              position_ids=positions, past_key_values=out.past_key_values, use_cache=True)
-        return self._rollouts(prompt_ids, prompt_mask, index, torch.stack(tokens, 1), torch.stack(logprobs, 1))
-
-    def _prompt_rows(self, prompts, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Left-padded prompt rows, each prompt n times in a row."""
-        prompts = [list(map(int, p)) for p in prompts]
-        if not prompts or any(not p for p in prompts):
-            raise ValueError("need at least one prompt, and no empty prompt")
-        bad = sorted({t for p in prompts for t in p if not 0 <= t < self.vocab_size})
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
-        width = max(len(p) for p in prompts)
-        rows = [p for p in prompts for _ in range(n)]
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.bool)
-        for r, p in enumerate(rows):
-            ids[r, width - len(p):] = torch.tensor(p)
-            mask[r, width - len(p):] = True
-        index = torch.arange(len(prompts)).repeat_interleave(n)
-        return ids, mask, index
+        return make_rollouts(prompt_ids, prompt_mask, index, torch.stack(tokens, 1), torch.stack(logprobs, 1),
+                             self.pad_id)
 
     @staticmethod
     def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator
@@ -84,23 +66,13 @@ class HFEngine:
         token = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)
         return token, logprobs.gather(1, token.unsqueeze(1)).squeeze(1)
 
-    def _rollouts(self, prompt_ids, prompt_mask, index, tokens, logprobs) -> Rollouts:
-        ones = torch.ones_like(tokens, dtype=torch.bool)
-        batch = RLBatch(input_ids=torch.cat([prompt_ids, tokens], 1),
-                        attention_mask=torch.cat([prompt_mask, ones], 1),
-                        response_mask=torch.cat([torch.zeros_like(prompt_mask), ones], 1),
-                        pad_id=self.pad_id)
-        full = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
-        full[:, prompt_ids.shape[1]:] = logprobs
-        return Rollouts(batch, full, index)
-
     # ---------------------------------------------------------------------------- weights
     @torch.no_grad()
     def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy each (HF name, tensor) into the model; a fused gate_up_proj is split (gate rows
         first). Unknown names and shape mismatches raise before anything of the bucket is copied."""
         self._awake("update_weights")
-        plan = [pair for name, tensor in bucket for pair in self._unfuse(name, tensor)]
+        plan = [pair for name, tensor in bucket for pair in unfuse(name, tensor)]
         for name, tensor in plan:
             param = self._params.get(name)
             if param is None:
@@ -110,13 +82,6 @@ class HFEngine:
         for name, tensor in plan:
             self._params[name].copy_(tensor)
         return len(plan)
-
-    @staticmethod
-    def _unfuse(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        if f".{FUSED_GATE_UP}." not in name:
-            return [(name, tensor)]
-        gate, up = tensor.chunk(2, dim=0)
-        return [(name.replace(FUSED_GATE_UP, "gate_proj"), gate), (name.replace(FUSED_GATE_UP, "up_proj"), up)]
 
     @torch.no_grad()
     def weights(self) -> dict[str, torch.Tensor]:

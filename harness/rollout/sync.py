@@ -8,7 +8,8 @@ and up projections travel fused (`gate_up_proj`, gate rows first, as vLLM packs 
 
     report = sync_weights(policy, engine, bucket_bytes=1 << 20)
 
-The catalog's `weight-sync` variants are four upstream bugs of exactly this path (harness.variants).
+The catalog's `weight-sync` variants are upstream bugs of exactly this path (harness.variants);
+`sync-split-fused-group` is the vLLM adapter's (it loads each bucket as it comes, harness.rollout.vllm_engine).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from harness.rollout.engine import FUSED_GATE_UP
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 IMPLEMENTED = ("sync-skipped-bucket", "sync-swapped-tp-shards", "sync-unsynced-tied-embedding",
-               "sync-swapped-gate-up")
+               "sync-swapped-gate-up", "sync-split-fused-group")
 # HF projections that Megatron splits by output rows over TP (column-parallel).
 _COLUMN_PARALLEL = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")
 _EMBEDDINGS = ("model.embed_tokens.weight", "lm_head.weight")
@@ -43,14 +44,29 @@ def sync_weights(policy, engine, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, va
                  progress=None) -> SyncReport:
     """Stream the policy's exported HF weights into `engine`; `progress(report)` after each bucket."""
     from harness.models import load_hf_config
-    from harness.variants.catalog import require
+    from harness.variants.catalog import VariantError, require
 
     if not (isinstance(bucket_bytes, int) and bucket_bytes > 0):
         raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
     require(variant, check="weight-sync", layout=policy.layout, config=load_hf_config(policy.path))
+    if variant == "sync-split-fused-group" and not hasattr(engine, "hold_fused_groups"):
+        raise VariantError(f"variant {variant!r} needs an engine that fuses q/k/v on load (vLLM), "
+                           f"not {type(engine).__name__}")
     report = SyncReport(bucket_bytes=bucket_bytes)
     start = time.perf_counter()
     policy.apply(_open, bucket_bytes, variant)
+    if variant == "sync-split-fused-group":
+        engine.hold_fused_groups = False  # the upstream bug: each bucket loaded as it comes
+    try:
+        _stream(policy, engine, variant, report, progress)
+    finally:
+        if variant == "sync-split-fused-group":
+            engine.hold_fused_groups = True
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _stream(policy, engine, variant: str | None, report: SyncReport, progress) -> None:
     done = False
     while not done:
         bucket, done = policy.apply(_next)[0]
@@ -65,8 +81,6 @@ def sync_weights(policy, engine, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, va
         report.names += [name for name, _ in bucket]
         if progress is not None:
             progress(report)
-    report.seconds = time.perf_counter() - start
-    return report
 
 
 # ------------------------------------------------------------------------------ rank side

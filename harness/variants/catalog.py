@@ -65,6 +65,7 @@ class Variant:
     pair_requires: Callable[[Any, Any], str | None] | None = None
     # The dtypes it can show in (a bug in what only bf16 has, e.g. separate fp32 master params).
     dtypes: tuple[str, ...] = ("fp32", "bf16")
+    engine: str = "hf"  # weight-sync: the rollout engine it shows on ("vllm": the CPU tier only)
 
     def why_not(self, layout, config) -> str | None:
         return self.requires(layout, config) if self.requires else None
@@ -331,6 +332,15 @@ _SYNC: tuple[Variant, ...] = (
             "the engine's SwiGLU gates the wrong half: garbage rollouts",
             "weight sync: unequal_tensors (every gate_proj and up_proj)",
             upstream="alibaba/rtp-llm PR 756 (fused FFN weights stored [up | gate])", default_layout="dp2"),
+    Variant("sync-split-fused-group", "weight-sync", "upstream-bug",
+            "the vLLM adapter loads each bucket as it arrives, so a layer whose q/k/v straddle a bucket "
+            "boundary is loaded with only part of its fused qkv_proj",
+            "vLLM's in-place reload rebuilds that layer from what one call loaded: the missing parts are "
+            "garbage (v_proj up to 3e36 measured here); rollouts from a partly random model",
+            "weight sync through the vLLM engine: unequal_tensors (k_proj/v_proj) and max_abs_diff",
+            upstream="sglang PR 38298 (fused q_a/kv_a halves straddling load_weights chunks kept dummy "
+                     "weights); verl PR 7136 (layerwise reload lifecycle per bucket)",
+            default_layout="dp2", model="tiny-qwen3-hd32", engine="vllm"),
 )
 _ENTRIES = _ENTRIES + _ROTATION + _OFFLOAD + _SYNC
 

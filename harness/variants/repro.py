@@ -197,13 +197,13 @@ def _offload(variant: Variant, layout: str, dtype: str, runner: Runner) -> tuple
 
 
 def _weight_sync(variant: Variant, layout: str, dtype: str, runner: Runner) -> tuple[Run, Run]:
-    """A training step, a sync into the HF engine, the engine against the policy
+    """A training step, a sync into the variant's engine (HF or vLLM), the engine against the policy
     (harness.rollout.check), with the variant and on the fixed path."""
     from harness.rollout.check import sync_check
 
     def run(variant_id):
         result = sync_check(runner.make_policy, layout, dtype, variant=variant_id, device=runner.device,
-                            model=variant.model)
+                            model=variant.model, engine=variant.engine)
         return Run(result.passed, result.checks, result.summary(), result.rows())
 
     return run(variant.id), run(None)

@@ -16,12 +16,20 @@ from harness.cli import main
     (["--group-size", "1"], "group_size must be >= 2"),
     (["--group-size", "3", "--prompts", "3"], "do not split over dp=2"),
     (["--model", "/nonexistent"], "nonexistent"),
+    (["--engine", "vllm"], "the model has 16"),  # vLLM's CPU attention: head_dim >= 32
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys, tmp_path):
     assert main(["loop", "--device", "cpu", "--out", str(tmp_path / "r"), *args]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "r").exists()
+
+
+def test_a_missing_vllm_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MRH_VLLM_PYTHON", str(tmp_path / "none"))
+    assert main(["loop", "--device", "cpu", "--engine", "vllm", "--model", "tiny-qwen3-hd32",
+                 "--out", str(tmp_path / "r")]) == 2
+    assert "make vllm" in capsys.readouterr().err and not (tmp_path / "r").exists()
 
 
 def test_an_existing_report_is_never_overwritten(tmp_path, capsys):
@@ -39,3 +47,12 @@ def test_a_run_prints_each_iteration_and_writes_its_report(tmp_path, capsys):
     assert [it["iteration"] for it in data["iterations"]] == [0, 1] and data["layout"] == "dp2"
     assert (out / "loop.png").stat().st_size > 1000 and (out / "iterations.csv").read_text().count("\n") == 3
     assert "| 1 |" in (out / "summary.md").read_text()
+
+
+def test_a_run_on_vllm_writes_its_engine_in_the_report(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["loop", "--device", "cpu", "--layout", "dp2", "--iterations", "2", "--engine", "vllm",
+                 "--model", "tiny-qwen3-hd32", "--out", str(out)]) == 0
+    data = json.loads((out / "iterations.json").read_text())
+    assert data["config"]["engine"] == "vllm" and len(data["iterations"]) == 2
+    assert "vllm engine" in (out / "summary.md").read_text()

@@ -50,6 +50,8 @@ def _applies(variant_id: str, where: str, dtype: str) -> bool:
 
 
 def _places(variant, device: str):
+    if device == "cuda" and variant.engine == "vllm":
+        return []  # vLLM is installed on the CPU tier only (the GPU image has none; README: vLLM)
     places = (CHECKPOINT_WHERE[variant.id] if variant.component == "checkpoint" else
               ROTATION_WHERE if variant.component == "rotation" else
               OFFLOAD_WHERE if variant.component == "offload" else [(w, DTYPES) for w in WHERE[variant.component]])

