@@ -163,6 +163,8 @@ class VLLMEngine:
                 process.wait()
         self._conn.close()
         self._socket.close()
+        if process.returncode == 0:
+            self.log.unlink(missing_ok=True)  # kept when the engine failed: errors name it
         self.process = None
 
     def __enter__(self) -> "VLLMEngine":

@@ -35,9 +35,9 @@ def test_a_tied_model_under_pp_syncs_its_one_embedding(policy, device, layout, r
 
 
 @pytest.mark.layouts(cpu=["tp2"], cuda=["tp2"])
-def test_buckets_stay_under_their_bound_and_carry_every_tensor_once(policy, device, layout):
+def test_buckets_stay_under_their_bound_and_carry_every_tensor_once(policy, rollout, device, layout):
     p = policy(layout, lr=1e-3)
-    engine = HFEngine("tiny-qwen3", device="cuda" if device == "cuda" else "cpu")
+    engine = rollout("tiny-qwen3")
     exported = p.hf_state_dict()
     largest = max(t.numel() * t.element_size() for t in exported.values())
     seen = []

@@ -12,7 +12,6 @@ import torch
 
 from harness.rollout import EngineAsleep, HFEngine, Sampling
 from harness.rollout.check import prompts, sync_check
-from harness.rollout.engines import open_engine
 from harness.rollout.tolerances import sync_tolerance
 from harness.rollout.vllm_engine import VLLMEngine, VLLMUnavailable
 
@@ -27,8 +26,8 @@ def _record(report, result):
 
 
 @pytest.fixture
-def engine():
-    return open_engine("vllm", MODEL)  # shared for the session, reset to the checkpoint
+def engine(rollout):
+    return rollout(MODEL, engine="vllm")  # shared for the session, reset to the checkpoint
 
 
 @torch.no_grad()
@@ -117,3 +116,13 @@ def test_bad_input_is_one_clear_error_before_any_work(engine, tmp_path):
         engine.generate([[1, 2]], SAMPLING)
     engine.wake()
     assert engine.generate([[1, 2]], Sampling(n=1, max_tokens=2)).completions.shape == (1, 2)
+
+
+def test_a_dead_engine_process_is_a_clear_error_naming_its_log(engine):
+    """Last in this file: it kills the shared engine (the next user starts a new one)."""
+    engine.process.kill()
+    engine.process.wait()
+    with pytest.raises(VLLMUnavailable, match="engine process exited .* log"):
+        engine.generate([[1, 2]], SAMPLING)
+    engine.close()
+    assert not engine.alive
