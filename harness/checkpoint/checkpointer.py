@@ -38,6 +38,7 @@ from harness.checkpoint.faults import fault
 from harness.checkpoint.knobs import CheckpointKnobs
 from harness.checkpoint.manifest import Manifest, write_manifest
 from harness.checkpoint.root import CheckpointRoot, NothingToResume
+from harness.checkpoint.shared_fs import require_shared
 from harness.variants import VariantError, require
 
 # The rotation variants of the catalog this manager implements.
@@ -84,6 +85,7 @@ class Checkpointer:
             raise CheckpointError(str(exc)) from None
         self.policy = policy
         self.root = CheckpointRoot(root)
+        require_shared(policy.world, self.root.path, "every checkpoint in it")
         unknown = sorted(set(knob_changes) - set(CheckpointKnobs.__dataclass_fields__))
         if unknown:
             raise CheckpointError(f"unknown checkpoint knob(s) {unknown}; the knobs are "

@@ -22,6 +22,7 @@ from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.manifest import Manifest, file_table, model_fingerprint, read_manifest, \
     verify_files, write_manifest
 from harness.checkpoint.sharded import OPTIMIZER_FORMATS
+from harness.checkpoint.shared_fs import require_shared
 from harness.parallel.layout import parse_layout
 from harness.variants import VariantError, require
 
@@ -71,6 +72,7 @@ def save_checkpoint(policy, directory: str | os.PathLike, *, optimizer_format: s
     if directory.exists():
         raise CheckpointError(f"{directory} exists; refusing to overwrite it (nothing was written)")
     directory.parent.mkdir(parents=True, exist_ok=True)
+    require_shared(policy.world, directory.parent, "the checkpoint")
     partial = directory.parent / f".{directory.name}.partial-{uuid.uuid4().hex[:8]}"
     partial.mkdir()
     try:
@@ -104,6 +106,7 @@ def check_loadable(policy, directory: str | os.PathLike, *, load_rng: bool | Non
         raise CheckpointError(str(exc)) from None
     manifest = read_manifest(directory)
     verify_files(directory, manifest, checksums=verify_checksums)
+    require_shared(policy.world, directory, "loading it")
     want = model_fingerprint(load_hf_config(policy.path))
     if manifest.model_config != want:
         differing = {k: (manifest.model_config.get(k), v) for k, v in want.items()

@@ -3,24 +3,27 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness.launch.world import World
+from harness.launch.base import WorldBase
+from harness.launch.launchers import make_world
 
 
 class WorldPool:
-    """Keeps a world per (size, device). A world torn down by a failure is started afresh by
-    the next `get`. Worlds left open are killed at interpreter exit (see `world.py`)."""
+    """Keeps a world per (size, device), started by `launcher` ("process" or "ray"). A world torn
+    down by a failure is started afresh by the next `get`. Worlds left open are killed at
+    interpreter exit (see `world.py`, `ray_world.py`)."""
 
-    def __init__(self, **world_kwargs: Any):
+    def __init__(self, launcher: str = "process", **world_kwargs: Any):
+        self.launcher = launcher
         self.world_kwargs = world_kwargs
-        self._worlds: dict[tuple[int, str], World] = {}
+        self._worlds: dict[tuple[int, str], WorldBase] = {}
 
-    def get(self, size: int, device: str = "cpu") -> World:
+    def get(self, size: int, device: str = "cpu") -> WorldBase:
         key = (size, device)
         if key not in self._worlds:
-            self._worlds[key] = World(size, device, **self.world_kwargs)
+            self._worlds[key] = make_world(size, device, launcher=self.launcher, **self.world_kwargs)
         return self._worlds[key].start()
 
-    def worlds(self) -> list[World]:
+    def worlds(self) -> list[WorldBase]:
         return list(self._worlds.values())
 
     def close(self) -> None:

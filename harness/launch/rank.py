@@ -115,6 +115,14 @@ def _read_from(path: str, offset: int) -> str:
         return ""
 
 
+def all_stacks() -> str:
+    """Every thread's Python stack, formatted (the Ray launcher's answer to a stack request)."""
+    frames = sys._current_frames()
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return "\n".join(f"Thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame))
+                     for ident, frame in frames.items())
+
+
 def _init_process_group(spec: RankSpec) -> None:
     import torch
     import torch.distributed as dist
@@ -169,50 +177,69 @@ def _encode_error(exc: BaseException) -> tuple[bytes | None, str]:
     return payload, tb
 
 
+def execute(spec: RankSpec, message: tuple) -> tuple:
+    """Run one call message `(call_id, sys_path, payload)`; the reply `(call_id, status, payload,
+    traceback, output, report rows)` that the parent's world reads (either launcher)."""
+    call_id, sys_path, payload = message
+    for entry in sys_path:  # test modules imported after start must be importable here
+        if entry not in sys.path:
+            sys.path.append(entry)
+    offset = os.path.getsize(spec.log_path)
+    try:
+        fn, args, kwargs = pickle.loads(payload)
+        value = fn(*args, **kwargs)
+        try:
+            reply = (call_id, "ok", pickle.dumps(value), None)
+        except Exception as exc:
+            raise TypeError(
+                f"the result of {getattr(fn, '__qualname__', fn)!r} on rank {spec.rank} "
+                f"cannot be sent back to the parent: {exc}"
+            ) from exc
+    except BaseException as exc:  # noqa: BLE001 - even SystemExit goes back to the parent
+        error_payload, tb = _encode_error(exc)
+        reply = (call_id, "error", error_payload, tb)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return (*reply, _read_from(spec.log_path, offset), report_buffer.drain())
+
+
 def _serve(spec: RankSpec, conn: Connection) -> None:
     while True:
         message = conn.recv()
         if message is None:  # orderly stop
             return
-        call_id, sys_path, payload = message
-        for entry in sys_path:  # test modules imported after start must be importable here
-            if entry not in sys.path:
-                sys.path.append(entry)
-        offset = os.path.getsize(spec.log_path)
-        try:
-            fn, args, kwargs = pickle.loads(payload)
-            value = fn(*args, **kwargs)
-            try:
-                reply = (call_id, "ok", pickle.dumps(value), None)
-            except Exception as exc:
-                raise TypeError(
-                    f"the result of {getattr(fn, '__qualname__', fn)!r} on rank {spec.rank} "
-                    f"cannot be sent back to the parent: {exc}"
-                ) from exc
-        except BaseException as exc:  # noqa: BLE001 - even SystemExit goes back to the parent
-            error_payload, tb = _encode_error(exc)
-            reply = (call_id, "error", error_payload, tb)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        conn.send((*reply, _read_from(spec.log_path, offset), report_buffer.drain()))
+        conn.send(execute(spec, message))
+
+
+def prepare(spec: RankSpec, *, stack_signal: bool = True) -> None:
+    """Everything before joining the process group: output to the rank's log, faulthandler (and the
+    stack-dump signal, which only a main thread can register), the environment."""
+    os.makedirs(spec.workdir, exist_ok=True)
+    log = _redirect_output(spec.log_path)
+    faulthandler.enable(file=log, all_threads=True)
+    if stack_signal:
+        stack_file = open(spec.stack_path, "ab", buffering=0)
+        faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True, chain=False)
+    _setup_environment(spec)
+
+
+def join(spec: RankSpec) -> None:
+    """Join the world's default process group and make `context()` answer."""
+    global _context
+    _init_process_group(spec)
+    _context = RankContext(spec.rank, spec.world_size, spec.device, spec.workdir)
 
 
 def rank_main(spec: RankSpec, conn: Connection) -> None:
     """Entry point of a spawned rank process."""
-    global _context
     os.setpgrp()  # own process group: teardown kills the rank and anything it started
     threading.Thread(target=_watch_parent, args=(spec.parent_pid,), daemon=True).start()
-    log = _redirect_output(spec.log_path)
-    faulthandler.enable(file=log, all_threads=True)
-    stack_file = open(spec.stack_path, "ab", buffering=0)
-    faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True, chain=False)
-    _setup_environment(spec)
+    prepare(spec)
     try:
-        _init_process_group(spec)
+        join(spec)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent as a start failure
         conn.send(("start", "error", *_encode_error(exc), "", []))
         return
-    _context = RankContext(spec.rank, spec.world_size, spec.device, spec.workdir)
     conn.send(("start", "ok", None, None, "", []))
     try:
         _serve(spec, conn)

@@ -8,47 +8,39 @@ stack (faulthandler on SIGUSR1), tears the world down and leaves it to be starte
 from __future__ import annotations
 
 import atexit
-import itertools
 import multiprocessing as mp
 import os
-import pickle
 import shutil
 import signal
-import sys
 import tempfile
 import time
 import weakref
 from datetime import timedelta
 from multiprocessing.connection import wait
-from typing import Any, Callable
+from typing import Any
 
-from harness.launch.errors import (
-    RankDied,
-    RankError,
-    RemoteTraceback,
-    WorldError,
-    WorldStartError,
-    WorldTimeout,
-)
-from harness.report import buffer as report_buffer
+from harness.launch.base import DEVICES, WorldBase, describe, tail
+from harness.launch.errors import WorldStartError
 from harness.launch.rank import STACK_SIGNAL, RankSpec, _read_from, rank_main
 
-DEVICES = ("cpu", "cuda")
+__all__ = ["DEVICES", "START_METHODS", "World"]
 # spawn: each rank imports everything afresh (safe anywhere). fork: ranks start in a fraction of a
 # second from a parent that has imported torch and megatron-core but run nothing (CPU only); the
 # crash-injection driver (harness.checkpoint.crash) starts a world per trial this way.
 START_METHODS = ("spawn", "fork")
 _live_worlds: "weakref.WeakSet[World]" = weakref.WeakSet()  # killed at exit: no orphan ranks
-_LOG_TAIL_LINES = 30
+_describe = describe  # the name failure reports used before the launchers shared it
 
 
-class World:
+class World(WorldBase):
     """A persistent group of `size` rank processes on `device` ("cpu": gloo, "cuda": NCCL).
 
     >>> with World(2) as world:
     ...     world.run(torch.distributed.get_rank)
     [0, 1]
     """
+
+    launcher = "process"
 
     def __init__(
         self,
@@ -62,31 +54,21 @@ class World:
         echo_output: bool = True,
         start_method: str = "spawn",
     ):
-        if size < 1:
-            raise ValueError(f"world size must be >= 1, got {size}")
         if device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
         if start_method not in START_METHODS:
             raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
         if device == "cuda" and start_method == "fork":
             raise ValueError("a cuda world cannot fork its ranks (CUDA does not survive a fork); use spawn")
+        super().__init__(size, device, timeout=timeout, start_timeout=start_timeout, failure_grace=failure_grace,
+                         env=env, echo_output=echo_output)
         if device == "cuda":
             _require_gpus(size)
-        self.size = size
         self.start_method = start_method
-        self.device = device
-        self.timeout = timeout
-        self.start_timeout = start_timeout
-        self.failure_grace = failure_grace
-        self.env = dict(env or {})
-        self.echo_output = echo_output
-        self.starts = 0  # how many times rank processes were (re)started
-        self.calls = 0  # how many calls were sent to the ranks
         self._procs: list[mp.process.BaseProcess] = []
         self._conns: list[Any] = []
         self._store = None
         self._workdir: str | None = None
-        self._call_ids = itertools.count()
         _live_worlds.add(self)
 
     # ----------------------------------------------------------------- lifecycle
@@ -102,22 +84,7 @@ class World:
     def workdir(self) -> str | None:
         return self._workdir
 
-    def __enter__(self) -> "World":
-        self.start()
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        state = "alive" if self.alive else "stopped"
-        return f"World(size={self.size}, device={self.device!r}, {state}, starts={self.starts})"
-
-    def start(self) -> "World":
-        """Start the rank processes (no-op when already alive) and wait until all joined."""
-        if self.alive:
-            return self
-        self._kill()
+    def _start_ranks(self) -> None:
         import torch.distributed as dist
 
         self._workdir = tempfile.mkdtemp(prefix=f"mrh-world{self.size}-{self.device}-")
@@ -139,16 +106,7 @@ class World:
             child_conn.close()
             self._procs.append(proc)
             self._conns.append(parent_conn)
-        self.starts += 1
-        try:
-            self._collect("start", self.start_timeout, what="start")
-        except Exception as exc:
-            self._kill()
-            remote = f"\n{exc.__cause__}" if isinstance(exc.__cause__, RemoteTraceback) else ""
-            raise WorldStartError(
-                f"world of {self.size} {self.device} ranks failed to start: {exc}{remote}"
-            ) from exc
-        return self
+        self._collect("start", self.start_timeout, what="start")
 
     def close(self) -> None:
         """Stop every rank (orderly if possible) and remove the world's files."""
@@ -181,25 +139,11 @@ class World:
             self._workdir = None
 
     # ----------------------------------------------------------------- calls
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
-        """Run `fn(*args, **kwargs)` on every rank; return the per-rank results in rank order.
-
-        `fn` must be picklable (a module-level function or a functools.partial of one). The first
-        exception raised on any rank is re-raised here with its rank and remote traceback attached.
-        """
-        self.start()
-        try:
-            payload = pickle.dumps((fn, args, kwargs))
-        except Exception as exc:
-            raise TypeError(f"{fn!r} and its arguments must be picklable to run on ranks: {exc}") from exc
-        call_id = next(self._call_ids)
-        self.calls += 1
-        message = (call_id, list(sys.path), payload)
+    def _send(self, message: tuple) -> None:
         for conn in self._conns:
             conn.send(message)
-        return self._collect(call_id, self.timeout if timeout is None else timeout, what=_describe(fn))
 
-    def _collect(self, call_id: Any, timeout: float, what: str) -> list[Any]:
+    def _gather(self, call_id: Any, timeout: float) -> tuple[dict, dict, dict, set]:
         deadline = time.monotonic() + timeout
         results: dict[int, bytes] = {}
         errors: dict[int, tuple[bytes | None, str]] = {}
@@ -221,24 +165,13 @@ class World:
                 pending.discard(rank)
                 reply = self._receive(rank)
                 if reply is not None:
-                    reply_id, status, payload, tb, output, rows = reply
-                    if reply_id != call_id:
-                        raise WorldError(f"rank {rank} answered call {reply_id!r}, expected {call_id!r}")
-                    self._echo(rank, output)
-                    report_buffer.extend([{**row, "rank": rank} for row in rows])
-                    if status == "ok":
-                        results[rank] = payload
+                    if self._accept(rank, reply, call_id, results, errors):
                         continue
-                    errors[rank] = (payload, tb)
                 else:  # its sentinel fired: the process is gone
                     self._procs[rank].join(timeout=1.0)
                     died[rank] = self._procs[rank].exitcode
                 failed_at = failed_at or time.monotonic()
-        if pending or died:
-            self._fail_hard(what, timeout, pending, died, errors)
-        if errors:
-            self._raise_rank_error(errors, what)
-        return [pickle.loads(results[r]) if results[r] is not None else None for r in range(self.size)]
+        return results, errors, died, pending
 
     def _receive(self, rank: int) -> tuple | None:
         """The rank's reply, or None when its pipe is closed (the process is gone)."""
@@ -247,51 +180,9 @@ class World:
         except (EOFError, OSError):
             return None
 
-    def _echo(self, rank: int, output: str) -> None:
-        if output and self.echo_output:
-            for line in output.rstrip("\n").split("\n"):
-                print(f"[rank{rank}] {line}")
-
     # ----------------------------------------------------------------- failures
-    def _raise_rank_error(self, errors: dict[int, tuple[bytes | None, str]], what: str) -> None:
-        rank = min(errors)  # deterministic: the lowest failing rank
-        payload, tb = errors[rank]
-        others = sorted(set(errors) - {rank})
-        note = f"raised on rank {rank} of {self.size} ({self.device}) in {what}"
-        if others:
-            note += f"; ranks {others} failed too"
-        if payload is None:
-            raise RankError(f"{note}:\n{tb}", rank)
-        exc = pickle.loads(payload)
-        exc.add_note(note)
-        raise exc from RemoteTraceback(f"\n--- rank {rank} traceback ---\n{tb}")
-
-    def _fail_hard(self, what, timeout, hung, died, errors) -> None:
-        """A rank died or hung: gather every rank's story, tear the world down, raise."""
-        stacks = self._dump_stacks(sorted(hung))
-        sections = []
-        for rank in range(self.size):
-            if rank in died:
-                story = f"died with exit code {died[rank]}"
-            elif rank in hung:
-                story = "still running; its Python stack:\n" + (stacks.get(rank) or "(no stack dumped)")
-            elif rank in errors:
-                story = "raised:\n" + errors[rank][1]
-            else:
-                story = "finished"
-            sections.append(f"--- rank {rank}: {story}\n{self._log_tail(rank)}")
-        detail = "\n".join(sections)
-        self._kill()
-        if died:
-            rank = min(died)
-            raise RankDied(f"rank {rank} died (exit code {died[rank]}) during {what}\n{detail}", rank, died[rank])
-        if errors:
-            self._raise_rank_error(errors, what + " (other ranks hung after it; world restarted)")
-        raise WorldTimeout(
-            f"{what} timed out after {timeout:.1f}s on ranks {sorted(hung)} of {self.size}; "
-            f"world torn down, the next call starts a fresh one\n{detail}",
-            sorted(hung),
-        )
+    def _stacks(self, ranks: list[int]) -> dict[int, str]:
+        return self._dump_stacks(ranks)
 
     def _dump_stacks(self, ranks: list[int], wait_s: float = 3.0) -> dict[int, str]:
         if not ranks or not self._workdir:
@@ -319,9 +210,7 @@ class World:
         return os.path.join(self._workdir or "", f"rank{rank}.stack")
 
     def _log_tail(self, rank: int) -> str:
-        text = _read_from(os.path.join(self._workdir or "", f"rank{rank}.log"), 0)
-        lines = text.rstrip("\n").split("\n")[-_LOG_TAIL_LINES:] if text else []
-        return "".join(f"    | {line}\n" for line in lines)
+        return tail(_read_from(os.path.join(self._workdir or "", f"rank{rank}.log"), 0))
 
 
 def _require_gpus(size: int) -> None:
@@ -335,15 +224,6 @@ def _require_gpus(size: int) -> None:
 def _kill_live_worlds() -> None:
     for world in list(_live_worlds):
         world._kill()
-
-
-def _describe(fn: Callable[..., Any]) -> str:
-    """How failures name a call: `fn.mrh_name` when a wrapper set one, else the function's path."""
-    named = getattr(fn, "mrh_name", None)
-    if named:
-        return named
-    inner = getattr(fn, "func", fn)  # functools.partial
-    return f"{getattr(inner, '__module__', '?')}.{getattr(inner, '__qualname__', repr(inner))}"
 
 
 def _size(path: str) -> int:

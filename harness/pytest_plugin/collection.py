@@ -44,6 +44,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--mrh-timeout", type=float, default=300.0,
                     help="seconds one call on the ranks may take before every rank's stack is "
                          "dumped and the world restarted (default 300)")
+    group.addoption("--mrh-launcher", default="process", choices=["process", "ray"],
+                    help="how worlds start their ranks: local processes (default) or Ray actors "
+                         "(a local Ray instance for the session unless --mrh-ray-address or RAY_ADDRESS)")
+    group.addoption("--mrh-ray-address", default=None,
+                    help="attach the Ray launcher to this cluster (default $RAY_ADDRESS, else a local instance)")
+    group.addoption("--mrh-ray-placement", default="STRICT_PACK",
+                    choices=["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"],
+                    help="placement group strategy of the Ray launcher's rank bundles (default STRICT_PACK)")
     group.addoption("--mrh-nightly", action="store_true",
                     help="also run the tests marked nightly (long sweeps; -m nightly runs them alone)")
     group.addoption("--mrh-report-dir", default=os.environ.get("MRH_REPORT_DIR", "reports/runs"),

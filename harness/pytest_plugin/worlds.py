@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.launch import World, WorldPool
+from harness.launch import WorldPool, make_world
+from harness.launch.base import WorldBase
 from harness.parallel.layout import Layout, parse_layout
 from harness.pytest_plugin.collection import gpu_count
 
@@ -12,14 +13,31 @@ CPU_MAX_WORLD_SIZE = 4  # 4 ranks on a 2-core CI machine is the most the CPU tie
 _POOL_KEY = pytest.StashKey[WorldPool]()
 
 
+def world_kwargs(config: pytest.Config) -> dict:
+    """What every world of this session is started with: the launcher and its options."""
+    kwargs = {"launcher": config.getoption("--mrh-launcher"), "timeout": config.getoption("--mrh-timeout")}
+    if kwargs["launcher"] == "ray":
+        kwargs["placement"] = config.getoption("--mrh-ray-placement")
+    return kwargs
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    config.stash[_POOL_KEY] = WorldPool(timeout=config.getoption("--mrh-timeout"))
+    kwargs = world_kwargs(config)
+    if kwargs["launcher"] == "ray":
+        from harness.launch import ensure_ray
+
+        ensure_ray(config.getoption("--mrh-ray-address"))  # once per session
+    config.stash[_POOL_KEY] = WorldPool(**kwargs)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     pool = config.stash.get(_POOL_KEY, None)
     if pool is not None:
         pool.close()
+        if pool.launcher == "ray":
+            from harness.launch import shutdown_ray
+
+            shutdown_ray()
 
 
 @pytest.fixture(scope="session")
@@ -59,7 +77,7 @@ def skip_unless_fits(config: pytest.Config, size: int, device: str) -> None:
 
 
 @pytest.fixture
-def world(request: pytest.FixtureRequest, world_pool: WorldPool, device: str) -> World:
+def world(request: pytest.FixtureRequest, world_pool: WorldPool, device: str) -> WorldBase:
     """The persistent world for this test's size and device (started on first use)."""
     size = _requested_world_size(request)
     skip_unless_fits(request.config, size, device)
@@ -70,11 +88,11 @@ def world(request: pytest.FixtureRequest, world_pool: WorldPool, device: str) ->
 def fresh_world(request: pytest.FixtureRequest, device: str):
     """A factory of private worlds (`fresh_world(size)`), for tests that stop or break their world;
     skipped like `world` when the machine is too small, closed at teardown."""
-    made: list[World] = []
+    made: list[WorldBase] = []
 
-    def make(size: int, **kwargs) -> World:
+    def make(size: int, **kwargs) -> WorldBase:
         skip_unless_fits(request.config, size, device)
-        made.append(World(size, device, timeout=request.config.getoption("--mrh-timeout"), **kwargs))
+        made.append(make_world(size, device, **{**world_kwargs(request.config), **kwargs}))
         return made[-1]
 
     yield make

@@ -131,7 +131,8 @@ def test_timeout_dumps_every_rank_stack_and_recovers(world):
 def test_dead_rank_fails_fast_with_exit_code_and_the_other_stacks(world):
     with pytest.raises(RankDied) as info:
         world.run(_die_on_rank_one, timeout=60)
-    assert info.value.rank == 1 and info.value.exitcode == 3
+    # Ray does not report a dead worker's exit code (its message says "connection error code 2")
+    assert info.value.rank == 1 and info.value.exitcode == (3 if world.launcher == "process" else None)
     assert "_die_on_rank_one" in str(info.value).split("--- rank 0:")[1]
     assert world.run(_rank_and_sum, 0) == [(0, 3.0), (1, 3.0)]
 

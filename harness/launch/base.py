@@ -1,0 +1,207 @@
+"""What every launcher's world is: N ranks started once and reused, calls sent to all, per-rank
+results back, a failing rank's exception re-raised with its traceback, a hung or dead rank failing
+the call within its timeout with every rank's story, and nothing left behind after `close()`.
+
+Two launchers implement it: `World` (local rank processes, harness.launch.world) and `RayWorld`
+(one Ray actor per rank, harness.launch.ray_world). They differ in how ranks start, how a call
+reaches them and comes back, how stacks are collected and what "kill" means; the bookkeeping and
+the failure reports are here, once.
+"""
+from __future__ import annotations
+
+import itertools
+import pickle
+import sys
+from typing import Any, Callable
+
+from harness.launch.errors import RankDied, RankError, RemoteTraceback, WorldStartError, WorldTimeout
+from harness.report import buffer as report_buffer
+
+DEVICES = ("cpu", "cuda")
+LOG_TAIL_LINES = 30
+
+
+class WorldBase:
+    """`size` ranks on `device` ("cpu": gloo, "cuda": NCCL); see the module docstring."""
+
+    launcher = "?"
+
+    def __init__(self, size: int, device: str = "cpu", *, timeout: float = 300.0, start_timeout: float = 180.0,
+                 failure_grace: float = 5.0, env: dict[str, str] | None = None, echo_output: bool = True):
+        if size < 1:
+            raise ValueError(f"world size must be >= 1, got {size}")
+        if device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+        self.size = size
+        self.device = device
+        self.timeout = timeout
+        self.start_timeout = start_timeout
+        self.failure_grace = failure_grace
+        self.env = dict(env or {})
+        self.echo_output = echo_output
+        self.starts = 0  # how many times the ranks were (re)started
+        self.calls = 0  # how many calls were sent to the ranks
+        self._call_ids = itertools.count()
+
+    # ------------------------------------------------------------------ to implement
+    @property
+    def alive(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def pids(self) -> list[int]:
+        raise NotImplementedError
+
+    def _start_ranks(self) -> None:
+        """Start the ranks and have them join (raise on failure; the caller kills and reports)."""
+        raise NotImplementedError
+
+    def _send(self, message: tuple) -> None:
+        raise NotImplementedError
+
+    def _gather(self, call_id: Any, timeout: float) -> tuple[dict, dict, dict, set]:
+        """(results, errors, died, hung) of one call: results[rank] = pickled value,
+        errors[rank] = (pickled exception or None, traceback), died[rank] = exit code or None,
+        hung = ranks that did not answer in time."""
+        raise NotImplementedError
+
+    def _stacks(self, ranks: list[int]) -> dict[int, str]:
+        raise NotImplementedError
+
+    def _log_tail(self, rank: int) -> str:
+        raise NotImplementedError
+
+    def _kill(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "alive" if self.alive else "stopped"
+        return f"{type(self).__name__}(size={self.size}, device={self.device!r}, {state}, starts={self.starts})"
+
+    def start(self):
+        """Start the ranks (no-op when already alive) and wait until all joined."""
+        if self.alive:
+            return self
+        self._kill()
+        self.starts += 1
+        try:
+            self._start_ranks()
+        except Exception as exc:
+            self._kill()
+            remote = f"\n{exc.__cause__}" if isinstance(exc.__cause__, RemoteTraceback) else ""
+            raise WorldStartError(
+                f"world of {self.size} {self.device} ranks ({self.launcher}) failed to start: {exc}{remote}"
+            ) from exc
+        return self
+
+    # ------------------------------------------------------------------ calls
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        """Run `fn(*args, **kwargs)` on every rank; return the per-rank results in rank order.
+
+        `fn` must be picklable (a module-level function or a functools.partial of one). The first
+        exception raised on any rank is re-raised here with its rank and remote traceback attached.
+        """
+        self.start()
+        try:
+            payload = pickle.dumps((fn, args, kwargs))
+        except Exception as exc:
+            raise TypeError(f"{fn!r} and its arguments must be picklable to run on ranks: {exc}") from exc
+        call_id = next(self._call_ids)
+        self.calls += 1
+        self._send((call_id, list(sys.path), payload))
+        return self._collect(call_id, self.timeout if timeout is None else timeout, what=describe(fn))
+
+    def _collect(self, call_id: Any, timeout: float, what: str) -> list[Any]:
+        results, errors, died, hung = self._gather(call_id, timeout)
+        if hung or died:
+            self._fail_hard(what, timeout, hung, died, errors)
+        if errors:
+            self._raise_rank_error(errors, what)
+        return [pickle.loads(results[r]) if results[r] is not None else None for r in range(self.size)]
+
+    def _accept(self, rank: int, reply: tuple, call_id: Any, results: dict, errors: dict) -> bool:
+        """File one rank's reply; True when it is a success."""
+        from harness.launch.errors import WorldError
+
+        reply_id, status, payload, tb, output, rows = reply
+        if reply_id != call_id:
+            raise WorldError(f"rank {rank} answered call {reply_id!r}, expected {call_id!r}")
+        self._echo(rank, output)
+        report_buffer.extend([{**row, "rank": rank} for row in rows])
+        if status == "ok":
+            results[rank] = payload
+            return True
+        errors[rank] = (payload, tb)
+        return False
+
+    def _echo(self, rank: int, output: str) -> None:
+        if output and self.echo_output:
+            for line in output.rstrip("\n").split("\n"):
+                print(f"[rank{rank}] {line}")
+
+    # ------------------------------------------------------------------ failures
+    def _raise_rank_error(self, errors: dict[int, tuple[bytes | None, str]], what: str) -> None:
+        rank = min(errors)  # deterministic: the lowest failing rank
+        payload, tb = errors[rank]
+        others = sorted(set(errors) - {rank})
+        note = f"raised on rank {rank} of {self.size} ({self.device}) in {what}"
+        if others:
+            note += f"; ranks {others} failed too"
+        if payload is None:
+            raise RankError(f"{note}:\n{tb}", rank)
+        exc = pickle.loads(payload)
+        exc.add_note(note)
+        raise exc from RemoteTraceback(f"\n--- rank {rank} traceback ---\n{tb}")
+
+    def _fail_hard(self, what, timeout, hung, died, errors) -> None:
+        """A rank died or hung: gather every rank's story, tear the world down, raise."""
+        stacks = self._stacks(sorted(hung))
+        sections = []
+        for rank in range(self.size):
+            if rank in died:
+                story = f"died with exit code {died[rank]}"
+            elif rank in hung:
+                story = "still running; its Python stack:\n" + (stacks.get(rank) or "(no stack dumped)")
+            elif rank in errors:
+                story = "raised:\n" + errors[rank][1]
+            else:
+                story = "finished"
+            sections.append(f"--- rank {rank}: {story}\n{self._log_tail(rank)}")
+        detail = "\n".join(sections)
+        self._kill()
+        if died:
+            rank = min(died)
+            raise RankDied(f"rank {rank} died (exit code {died[rank]}) during {what}\n{detail}", rank, died[rank])
+        if errors:
+            self._raise_rank_error(errors, what + " (other ranks hung after it; world restarted)")
+        raise WorldTimeout(
+            f"{what} timed out after {timeout:.1f}s on ranks {sorted(hung)} of {self.size}; "
+            f"world torn down, the next call starts a fresh one\n{detail}",
+            sorted(hung),
+        )
+
+
+def tail(text: str) -> str:
+    """The last lines of a rank's log, indented for a failure report."""
+    lines = text.rstrip("\n").split("\n")[-LOG_TAIL_LINES:] if text else []
+    return "".join(f"    | {line}\n" for line in lines)
+
+
+def describe(fn: Callable[..., Any]) -> str:
+    """How failures name a call: `fn.mrh_name` when a wrapper set one, else the function's path."""
+    named = getattr(fn, "mrh_name", None)
+    if named:
+        return named
+    inner = getattr(fn, "func", fn)  # functools.partial
+    return f"{getattr(inner, '__module__', '?')}.{getattr(inner, '__qualname__', repr(inner))}"
