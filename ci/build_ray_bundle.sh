@@ -17,7 +17,16 @@ pip=(python3 -m pip download --quiet --only-binary=:all: --python-version 3.12 -
 "${pip[@]}" --no-deps -d "$tmp/wheel" "ray==$version"
 # Ray's requirements (click, filelock, jsonschema, msgpack, packaging, protobuf, pyyaml, requests) and theirs
 "${pip[@]}" -d "$out/deps" click filelock jsonschema msgpack "packaging>=24.2" protobuf pyyaml requests
-python3 -m zipfile -e "$tmp"/wheel/ray-*.whl "$tmp/site"
+# Unpack keeping each file's mode (zipfile -e drops it: gcs_server and raylet must stay executable).
+python3 - "$tmp"/wheel/ray-*.whl "$tmp/site" <<'PY'
+import os, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as wheel:
+    for info in wheel.infolist():
+        path = wheel.extract(info, sys.argv[2])
+        mode = info.external_attr >> 16
+        if mode:
+            os.chmod(path, mode)
+PY
 cd "$tmp/site/ray"
 rm -rf jars dashboard/client/build rllib tune train serve data llm air/examples
 cd - >/dev/null
