@@ -19,9 +19,22 @@ class WorldPool:
 
     def get(self, size: int, device: str = "cpu") -> WorldBase:
         key = (size, device)
+        if self.exclusive(device):
+            self.release(device, keep=key)
         if key not in self._worlds:
             self._worlds[key] = make_world(size, device, launcher=self.launcher, **self.world_kwargs)
         return self._worlds[key].start()
+
+    def exclusive(self, device: str) -> bool:
+        """Ray reserves each CUDA rank a whole GPU (its bundle), so two CUDA worlds do not fit on
+        the GPUs one of them fills; local processes share GPUs, as torchrun jobs would."""
+        return self.launcher == "ray" and device == "cuda"
+
+    def release(self, device: str, keep: tuple[int, str] | None = None) -> None:
+        """Close the worlds on `device` (but `keep`): their GPUs go back; the next `get` restarts them."""
+        for key, world in self._worlds.items():
+            if key[1] == device and key != keep:
+                world.close()
 
     def worlds(self) -> list[WorldBase]:
         return list(self._worlds.values())

@@ -85,13 +85,15 @@ def world(request: pytest.FixtureRequest, world_pool: WorldPool, device: str) ->
 
 
 @pytest.fixture
-def fresh_world(request: pytest.FixtureRequest, device: str):
+def fresh_world(request: pytest.FixtureRequest, world_pool: WorldPool, device: str):
     """A factory of private worlds (`fresh_world(size)`), for tests that stop or break their world;
     skipped like `world` when the machine is too small, closed at teardown."""
     made: list[WorldBase] = []
 
     def make(size: int, **kwargs) -> WorldBase:
         skip_unless_fits(request.config, size, device)
+        if world_pool.exclusive(device):
+            world_pool.release(device)  # the session's worlds hold the GPUs under Ray
         made.append(make_world(size, device, **{**world_kwargs(request.config), **kwargs}))
         return made[-1]
 
