@@ -9,6 +9,14 @@ PYTEST_ARGS ?=
 # `make test` writes its run report here (a previous run there is moved beside it, not lost);
 # `make compare` compares it with BASELINE, `make baseline` makes it the new BASELINE.
 RUN_DIR  ?= reports/runs/latest
+# The Ray launcher's CI slice (`make test` runs it after the suites, --mrh-launcher=ray, a local Ray
+# instance): the whole harness suite, and parity, training and a reshard-resume at 2 ranks. Its run
+# report: $(RUN_DIR)-ray. The two-node test (suites/launch) runs in the main pass, on its own cluster.
+RAY_SLICE ?= suites/harness \
+  "suites/parity/test_parity.py::test_megatron_logprobs_match_hf[cpu-tp2-tiny-qwen3-fp32]" \
+  "suites/parity/test_parity.py::test_megatron_logprobs_match_hf[cpu-pp2-tiny-qwen3-fp32]" \
+  "suites/training/test_policy.py::test_policy_steps_match_ground_truth[cpu-dp2]" \
+  "suites/checkpoint/test_reshard_resume.py::test_resume_at_another_layout_continues_exactly[cpu-tp2-to-dp2]"
 BASELINE ?= reports/baselines/cpu
 
 .PHONY: setup vllm test test-gpu parity bench compare baseline clean
@@ -39,6 +47,7 @@ vllm:
 
 test:
 	$(BIN)/python -m pytest suites --mrh-run-dir=$(RUN_DIR) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(RAY_SLICE) --mrh-launcher=ray --mrh-run-dir=$(RUN_DIR)-ray $(PYTEST_ARGS)
 
 test-gpu:
 	$(BIN)/python -m pytest suites -m gpu $(PYTEST_ARGS)

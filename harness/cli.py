@@ -15,6 +15,10 @@ def _parser() -> argparse.ArgumentParser:
     world.add_argument("--ranks", type=int, default=2, help="world size (default 2)")
     world.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     world.add_argument("--repeats", type=int, default=3, help="fresh launches to time (default 3)")
+    world.add_argument("--launcher", choices=("process", "ray"), default="process",
+                       help="how the persistent world starts its ranks (default process)")
+    world.add_argument("--ray-address", default=None,
+                       help="with --launcher ray: attach to this cluster (default $RAY_ADDRESS, else a local one)")
     world.set_defaults(handler="harness.bench.world:main")
     ckpt_bench = benches.add_parser("ckpt", help="sync save vs async blocking vs async total time, one JSON line "
                                                  "(exit 2 bad input)")

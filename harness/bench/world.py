@@ -1,8 +1,9 @@
 """`mrh bench world`: what the persistent world saves over a fresh torchrun-style launch.
 
 Three figures from one run, all doing the same work (initialize a layout, build the probe GPT,
-one forward+backward, destroy the layout):
-  * world_start_s   - starting the persistent world's N rank processes (paid once per session);
+one forward+backward, destroy the layout), for either launcher (`--launcher process|ray`):
+  * world_start_s   - starting the persistent world's N ranks (paid once per session; with Ray,
+                      ray_init_s is the local instance's start before it, also once per session);
   * layout_switch_s - median time of that work in the live world when the layout changes;
   * fresh_launch_s  - median time of `python -m torch.distributed.run` doing that work from scratch
                       (interpreters, imports, rendezvous, process group, work, exit).
@@ -16,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from harness.launch import World
+from harness.launch import ensure_ray, make_world
 from harness.parallel.layout import enumerate_layouts
 from harness.parallel.state import run_in_layout
 from harness.probe import ProbeSpec, forward_backward
@@ -44,11 +45,18 @@ def _fresh_launch(ranks: int, device: str, layout: str) -> float:
     return elapsed
 
 
-def run(ranks: int, device: str, repeats: int = 3, log=print) -> dict[str, Any]:
+def run(ranks: int, device: str, repeats: int = 3, log=print, launcher: str = "process",
+        ray_address: str | None = None) -> dict[str, Any]:
     layouts = bench_layouts(ranks)
-    log(f"bench world: {ranks} {device} ranks, layouts {layouts}, {repeats} repeats")
+    log(f"bench world: {ranks} {device} ranks ({launcher} launcher), layouts {layouts}, {repeats} repeats")
+    extra: dict[str, Any] = {}
+    if launcher == "ray":
+        start = time.perf_counter()
+        ensure_ray(ray_address)
+        extra["ray_init_s"] = round(time.perf_counter() - start, 4)
+        log(f"  ray init: {extra['ray_init_s']:.2f}s")
     start = time.perf_counter()
-    world = World(ranks, device, echo_output=False).start()
+    world = make_world(ranks, device, launcher=launcher, echo_output=False).start()
     world_start = time.perf_counter() - start
     log(f"  world start: {world_start:.2f}s")
     try:
@@ -68,7 +76,7 @@ def run(ranks: int, device: str, repeats: int = 3, log=print) -> dict[str, Any]:
         log(f"  fresh torchrun launch ({layouts[i % len(layouts)]}): {fresh[-1]:.2f}s")
     switch_s, fresh_s = statistics.median(switches), statistics.median(fresh)
     return {
-        "ranks": ranks, "device": device, "layouts": layouts,
+        "launcher": launcher, **extra, "ranks": ranks, "device": device, "layouts": layouts,
         "world_start_s": round(world_start, 4), "layout_switch_s": round(switch_s, 4),
         "fresh_launch_s": round(fresh_s, 4), "switch_speedup": round(fresh_s / switch_s, 2),
         "switch_samples_s": [round(s, 4) for s in switches], "fresh_samples_s": [round(s, 4) for s in fresh],
@@ -76,6 +84,7 @@ def run(ranks: int, device: str, repeats: int = 3, log=print) -> dict[str, Any]:
 
 
 def main(args) -> int:
-    result = run(args.ranks, args.device, args.repeats, log=lambda m: print(m, file=sys.stderr, flush=True))
+    result = run(args.ranks, args.device, args.repeats, log=lambda m: print(m, file=sys.stderr, flush=True),
+                 launcher=args.launcher, ray_address=args.ray_address)
     print(json.dumps(result))
     return 0

@@ -49,6 +49,7 @@ def test_a_run_prints_each_iteration_and_writes_its_report(tmp_path, capsys):
     assert "| 1 |" in (out / "summary.md").read_text()
 
 
+@pytest.mark.nightly  # ~45 s on the CI machine; the loop on vLLM itself runs in CI (test_loop.py)
 def test_a_run_on_vllm_writes_its_engine_in_the_report(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["loop", "--device", "cpu", "--layout", "dp2", "--iterations", "2", "--engine", "vllm",
