@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.nightly  # ~33 s on the CI machine (a Ray start and a fresh torchrun launch)
 def test_bench_world_on_ray_prints_one_json_line_of_positive_figures():
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
     env.pop("RAY_ADDRESS", None)

@@ -1,6 +1,7 @@
 """Two Ray nodes on one machine (a head and a second raylet, ray.cluster_utils.Cluster): a 2-rank
 world whose ranks land on different nodes passes parity (tp2) and resumes a checkpoint saved at tp2
-at pp2, across them. Its own process: it owns its Ray cluster (suites/launch/two_node_job.py)."""
+at pp2, across them; a pytest session attached to that cluster with --mrh-ray-address runs on it and
+leaves it running. Its own process: it owns its Ray cluster (suites/launch/two_node_job.py)."""
 from __future__ import annotations
 
 import json
@@ -30,3 +31,5 @@ def test_a_world_spread_over_two_nodes_passes_parity_and_resumes(tmp_path, repor
                        launcher="ray", nodes=2, **{k: v for k, v in (row.get("extra") or {}).items()
                                                    if k not in ("launcher", "nodes")})
         assert found[part]["passed"], found[part]["summary"]
+    assert found["attached"]["returncode"] == 0, found["attached"]["output"]
+    assert found["nodes_after_attached_session"] == 2  # attaching never stops the cluster

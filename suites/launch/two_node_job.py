@@ -5,9 +5,22 @@ pp2, both across the nodes. Writes what it found as JSON to argv[1]."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import tempfile
+import textwrap
 import time
+
+INNER = textwrap.dedent("""
+    import pytest
+    import ray
+
+    @pytest.mark.world_size(2)
+    def test_attached(world):
+        assert world.launcher == "ray" and len([n for n in ray.nodes() if n["Alive"]]) == 2
+        assert world.run(sum, [1, 2]) == [3, 3]
+""")
 
 
 def main(out: str) -> None:
@@ -41,6 +54,9 @@ def main(out: str) -> None:
             result = resume_and_compare(make_policy, source, "pp2")
         found["resume"] = {"passed": result.passed, "summary": result.summary(),
                            "rows": [r.__dict__ for r in result.rows(suite="launch", test="two-nodes")]}
+        world.close()
+        found["attached"] = _attached_session(cluster.address)
+        found["nodes_after_attached_session"] = len([n for n in ray.nodes() if n["Alive"]])
     finally:
         world.close()
         ray.shutdown()
@@ -48,6 +64,17 @@ def main(out: str) -> None:
     found["wall_s"] = round(time.monotonic() - started, 1)
     with open(out, "w") as f:
         json.dump(found, f, default=str)
+
+
+def _attached_session(address: str) -> dict:
+    """A pytest session with --mrh-ray-address: it must run on this cluster, not start its own."""
+    with tempfile.TemporaryDirectory(prefix="mrh-attached-") as tmp:
+        with open(os.path.join(tmp, "test_attached.py"), "w") as f:
+            f.write(INNER)
+        done = subprocess.run([sys.executable, "-m", "pytest", "test_attached.py", "-q", "-p", "no:cacheprovider",
+                               "--mrh-devices=cpu", "--mrh-launcher=ray", f"--mrh-ray-address={address}",
+                               f"--mrh-report-dir={tmp}/runs"], cwd=tmp, capture_output=True, text=True, timeout=600)
+    return {"returncode": done.returncode, "output": done.stdout[-3000:] + done.stderr[-2000:]}
 
 
 if __name__ == "__main__":
