@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import pickle
 import sys
+import time
 from typing import Any, Callable
 
 from harness.launch.errors import RankDied, RankError, RemoteTraceback, WorldStartError, WorldTimeout
@@ -59,10 +60,9 @@ class WorldBase:
     def _send(self, message: tuple) -> None:
         raise NotImplementedError
 
-    def _gather(self, call_id: Any, timeout: float) -> tuple[dict, dict, dict, set]:
-        """(results, errors, died, hung) of one call: results[rank] = pickled value,
-        errors[rank] = (pickled exception or None, traceback), died[rank] = exit code or None,
-        hung = ranks that did not answer in time."""
+    def _poll(self, pending: set[int], timeout: float) -> list[tuple[int, str, Any]]:
+        """Wait up to `timeout` for news of the `pending` ranks: (rank, "reply", reply tuple),
+        (rank, "died", exit code or None) or (rank, "error", traceback text); [] if none came."""
         raise NotImplementedError
 
     def _stacks(self, ranks: list[int]) -> dict[int, str]:
@@ -121,6 +121,35 @@ class WorldBase:
         self.calls += 1
         self._send((call_id, list(sys.path), payload))
         return self._collect(call_id, self.timeout if timeout is None else timeout, what=describe(fn))
+
+    def _gather(self, call_id: Any, timeout: float) -> tuple[dict, dict, dict, set]:
+        """(results, errors, died, hung) of one call: results[rank] = pickled value,
+        errors[rank] = (pickled exception or None, traceback), died[rank] = exit code or None,
+        hung = ranks that did not answer in time. Once a rank failed, the others get
+        `failure_grace` seconds (they may be stuck waiting for it)."""
+        deadline = time.monotonic() + timeout
+        results: dict[int, bytes] = {}
+        errors: dict[int, tuple[bytes | None, str]] = {}
+        died: dict[int, int | None] = {}
+        pending = set(range(self.size))
+        failed_at: float | None = None
+        while pending:
+            if failed_at is not None:
+                deadline = min(deadline, failed_at + self.failure_grace)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            for rank, outcome, value in self._poll(pending, remaining):
+                pending.discard(rank)
+                if outcome == "reply":
+                    if self._accept(rank, value, call_id, results, errors):
+                        continue
+                elif outcome == "died":
+                    died[rank] = value
+                else:
+                    errors[rank] = (None, value)
+                failed_at = failed_at or time.monotonic()
+        return results, errors, died, pending
 
     def _collect(self, call_id: Any, timeout: float, what: str) -> list[Any]:
         results, errors, died, hung = self._gather(call_id, timeout)

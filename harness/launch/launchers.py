@@ -18,7 +18,6 @@ def make_world(size: int, device: str = "cpu", *, launcher: str = "process", **k
     if launcher == "process":
         from harness.launch.world import World
 
-        kwargs.pop("placement", None)
         return World(size, device, **kwargs)
     if launcher == "ray":
         from harness.launch.ray_world import RayWorld

@@ -230,17 +230,24 @@ def join(spec: RankSpec) -> None:
     _context = RankContext(spec.rank, spec.world_size, spec.device, spec.workdir)
 
 
+def join_reply(spec: RankSpec) -> tuple:
+    """`join`, answered as the reply to the world's "start" call (a failure goes back as one)."""
+    try:
+        join(spec)
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent as a start failure
+        return ("start", "error", *_encode_error(exc), "", [])
+    return ("start", "ok", None, None, "", [])
+
+
 def rank_main(spec: RankSpec, conn: Connection) -> None:
     """Entry point of a spawned rank process."""
     os.setpgrp()  # own process group: teardown kills the rank and anything it started
     threading.Thread(target=_watch_parent, args=(spec.parent_pid,), daemon=True).start()
     prepare(spec)
-    try:
-        join(spec)
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent as a start failure
-        conn.send(("start", "error", *_encode_error(exc), "", []))
+    reply = join_reply(spec)
+    conn.send(reply)
+    if reply[1] != "ok":
         return
-    conn.send(("start", "ok", None, None, "", []))
     try:
         _serve(spec, conn)
     except EOFError:  # the parent is gone: take down anything this rank started, then itself

@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import atexit
 import os
-import re
 import tempfile
-import time
 import weakref
 from typing import Any
 
 from harness.launch.base import WorldBase, tail
-from harness.launch.rank import RankSpec, _read_from, all_stacks, execute, join, prepare
+from harness.launch.rank import RankSpec, _read_from, all_stacks, execute, join_reply, prepare
 
 PLACEMENTS = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 _live: "weakref.WeakSet[RayWorld]" = weakref.WeakSet()
@@ -63,10 +61,10 @@ def _actor_class():
                                        timeout=timedelta(seconds=timeout_s))
             return self.store.port
 
-        def join(self, spec: RankSpec) -> None:
+        def join(self, spec: RankSpec) -> tuple:
             prepare(spec, stack_signal=False)  # an actor method may run off the main thread
             self.spec = spec
-            join(spec)
+            return join_reply(spec)
 
         def call(self, message: tuple) -> tuple:
             return execute(self.spec, message)
@@ -108,6 +106,7 @@ class RayWorld(WorldBase):
         self._inflight: list[Any] = []
         self._workdir: str | None = None
         self._death_notes: dict[int, str] = {}  # rank -> Ray's first line about its death
+        self._driver_node: str | None = None  # ranks on it are watched by pid
         _live.add(self)
 
     # ------------------------------------------------------------------ lifecycle
@@ -162,10 +161,9 @@ class RayWorld(WorldBase):
                           store_port=port, workdir=self._workdir, parent_pid=os.getpid(),
                           pg_timeout_s=max(self.timeout, self.start_timeout), env=self.env)
                  for rank in range(self.size)]
+        self._driver_node = ray.get_runtime_context().get_node_id()
         self._inflight = [a.join.remote(spec) for a, spec in zip(self._actors, specs)]
-        results, errors, died, hung = self._gather(None, self.start_timeout, joining=True)
-        if errors or died or hung:
-            self._fail_hard("start", self.start_timeout, hung, died, errors)
+        self._collect("start", self.start_timeout, what="start")
 
     def close(self) -> None:
         """Kill every rank actor and remove the placement group (nothing is left in the cluster)."""
@@ -198,51 +196,34 @@ class RayWorld(WorldBase):
     def _send(self, message: tuple) -> None:
         self._inflight = [actor.call.remote(message) for actor in self._actors]
 
-    def _gather(self, call_id: Any, timeout: float, joining: bool = False) -> tuple[dict, dict, dict, set]:
+    def _poll(self, pending: set[int], timeout: float) -> list[tuple[int, str, Any]]:
         import ray
 
-        deadline = time.monotonic() + timeout
-        results: dict[int, bytes] = {}
-        errors: dict[int, tuple[bytes | None, str]] = {}
-        died: dict[int, int | None] = {}
-        pending = {ref: rank for rank, ref in enumerate(self._inflight)}
-        failed_at: float | None = None
-        while pending:
-            if failed_at is not None:  # the others may be stuck waiting for the failed rank
-                deadline = min(deadline, failed_at + self.failure_grace)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            # Ray reports a dead actor's task only after ~30 s here; a rank on this node is
-            # watched by its pid, so its death fails the call within a second.
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(remaining, 0.5))
-            for ref, rank in list(pending.items()):
-                if ref not in ready and not self._pid_alive(rank):
-                    pending.pop(ref)
-                    died[rank] = None
-                    self._death_notes[rank] = f"its process (pid {self.nodes[rank]['pid']}) is gone"
-                    failed_at = failed_at or time.monotonic()
-            for ref in ready:
-                rank = pending.pop(ref)
-                try:
-                    reply = ray.get(ref)
-                except ray.exceptions.ActorDiedError as exc:
-                    died[rank] = _exit_code(exc)
-                    self._death_notes[rank] = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-                except ray.exceptions.RayTaskError as exc:  # join raised (start) or the actor broke
-                    errors[rank] = (None, str(exc))
-                else:
-                    if joining or self._accept(rank, reply, call_id, results, errors):
-                        continue
-                failed_at = failed_at or time.monotonic()
-        return results, errors, died, set(pending.values())
+        refs = {self._inflight[rank]: rank for rank in pending}
+        # Ray reports a dead actor's task only after ~30 s here; a rank on this node is watched by
+        # its pid, so its death fails the call within a second.
+        ready, _ = ray.wait(list(refs), num_returns=1, timeout=min(timeout, 0.5))
+        news = []
+        for ref in ready:
+            rank = refs[ref]
+            try:
+                news.append((rank, "reply", ray.get(ref)))
+            except ray.exceptions.ActorDiedError as exc:  # Ray names no exit code
+                self._death_notes[rank] = (str(exc).strip().splitlines() or [""])[0]
+                news.append((rank, "died", None))
+            except ray.exceptions.RayTaskError as exc:  # the actor method itself broke
+                news.append((rank, "error", str(exc)))
+        for ref, rank in refs.items():
+            if ref not in ready and not self._pid_alive(rank):
+                self._death_notes[rank] = f"its process (pid {self.nodes[rank]['pid']}) is gone"
+                news.append((rank, "died", None))
+        return news
 
     def _pid_alive(self, rank: int) -> bool:
         """False only for a rank on this node whose process is gone (a remote one: Ray tells)."""
         import psutil
-        import ray
 
-        if rank >= len(self.nodes) or self.nodes[rank]["node_id"] != ray.get_runtime_context().get_node_id():
+        if rank >= len(self.nodes) or self.nodes[rank]["node_id"] != self._driver_node:
             return True
         try:
             return psutil.Process(self.nodes[rank]["pid"]).status() != psutil.STATUS_ZOMBIE
@@ -270,12 +251,6 @@ class RayWorld(WorldBase):
             except ray.exceptions.RayError:
                 pass
         return out
-
-
-def _exit_code(error) -> int | None:
-    """The exit code Ray reports for a dead actor's worker, when it names one."""
-    match = re.search(r"exit(?:ed)? (?:with )?(?:an )?(?:exit )?code (-?\d+)", str(error))
-    return int(match.group(1)) if match else None
 
 
 def _kill_live() -> None:

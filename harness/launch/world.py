@@ -19,7 +19,7 @@ from datetime import timedelta
 from multiprocessing.connection import wait
 from typing import Any
 
-from harness.launch.base import DEVICES, WorldBase, describe, tail
+from harness.launch.base import DEVICES, WorldBase, tail
 from harness.launch.errors import WorldStartError
 from harness.launch.rank import STACK_SIGNAL, RankSpec, _read_from, rank_main
 
@@ -29,7 +29,6 @@ __all__ = ["DEVICES", "START_METHODS", "World"]
 # crash-injection driver (harness.checkpoint.crash) starts a world per trial this way.
 START_METHODS = ("spawn", "fork")
 _live_worlds: "weakref.WeakSet[World]" = weakref.WeakSet()  # killed at exit: no orphan ranks
-_describe = describe  # the name failure reports used before the launchers shared it
 
 
 class World(WorldBase):
@@ -143,35 +142,21 @@ class World(WorldBase):
         for conn in self._conns:
             conn.send(message)
 
-    def _gather(self, call_id: Any, timeout: float) -> tuple[dict, dict, dict, set]:
-        deadline = time.monotonic() + timeout
-        results: dict[int, bytes] = {}
-        errors: dict[int, tuple[bytes | None, str]] = {}
-        died: dict[int, int | None] = {}
-        pending = set(range(self.size))
-        failed_at: float | None = None
-        while pending:
-            if failed_at is not None:  # the others may be stuck waiting for the failed rank
-                deadline = min(deadline, failed_at + self.failure_grace)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            waitables = {self._conns[r]: r for r in pending}
-            waitables.update({self._procs[r].sentinel: r for r in pending})
-            for ready in wait(list(waitables), timeout=remaining):
-                rank = waitables[ready]
-                if rank not in pending:
-                    continue
-                pending.discard(rank)
-                reply = self._receive(rank)
-                if reply is not None:
-                    if self._accept(rank, reply, call_id, results, errors):
-                        continue
-                else:  # its sentinel fired: the process is gone
-                    self._procs[rank].join(timeout=1.0)
-                    died[rank] = self._procs[rank].exitcode
-                failed_at = failed_at or time.monotonic()
-        return results, errors, died, pending
+    def _poll(self, pending: set[int], timeout: float) -> list[tuple[int, str, Any]]:
+        waitables = {self._conns[r]: r for r in pending}
+        waitables.update({self._procs[r].sentinel: r for r in pending})
+        news: dict[int, tuple[int, str, Any]] = {}
+        for ready in wait(list(waitables), timeout=timeout):
+            rank = waitables[ready]
+            if rank in news:  # its pipe and its sentinel both fired
+                continue
+            reply = self._receive(rank)
+            if reply is not None:
+                news[rank] = (rank, "reply", reply)
+            else:  # its sentinel fired: the process is gone
+                self._procs[rank].join(timeout=1.0)
+                news[rank] = (rank, "died", self._procs[rank].exitcode)
+        return list(news.values())
 
     def _receive(self, rank: int) -> tuple | None:
         """The rank's reply, or None when its pipe is closed (the process is gone)."""

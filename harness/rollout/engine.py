@@ -9,7 +9,7 @@ convention). Weight updates arrive as buckets of (HF name, tensor); a bucket may
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Protocol, Sequence
+from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 import torch
 
@@ -115,3 +115,21 @@ def unfuse(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         return [(name, tensor)]
     gate, up = tensor.chunk(2, dim=0)
     return [(name.replace(FUSED_GATE_UP, "gate_proj"), gate), (name.replace(FUSED_GATE_UP, "up_proj"), up)]
+
+
+def bucket_plan(bucket: Iterable[tuple[str, torch.Tensor]], shapes: Mapping[str, Any]
+                ) -> list[tuple[str, torch.Tensor]]:
+    """The bucket's (HF name, tensor) pairs with a fused gate_up split, after checking every name and
+    shape against the engine's (`shapes`: name -> shape): a bad bucket raises before any is taken."""
+    plan = [pair for name, tensor in bucket for pair in unfuse(name, tensor)]
+    for name, tensor in plan:
+        if name not in shapes:
+            raise KeyError(f"the engine has no weight {name!r}")
+        if tuple(shapes[name]) != tuple(tensor.shape):
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} sent, the engine holds {tuple(shapes[name])}")
+    return plan
+
+
+def require_awake(engine: Any, what: str) -> None:
+    if engine.asleep:
+        raise EngineAsleep(f"{what} while the engine sleeps: call wake() first")

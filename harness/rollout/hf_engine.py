@@ -14,7 +14,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from harness.rollout.engine import EngineAsleep, Rollouts, Sampling, make_rollouts, prompt_rows, unfuse
+from harness.rollout.engine import Rollouts, Sampling, bucket_plan, make_rollouts, prompt_rows, require_awake
 
 
 class HFEngine:
@@ -38,7 +38,7 @@ class HFEngine:
     # ------------------------------------------------------------------------- generation
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> Rollouts:
-        self._awake("generate")
+        require_awake(self, "generate")
         prompt_ids, prompt_mask, index = prompt_rows(prompts, sampling.n, self.vocab_size, self.pad_id)
         generator = torch.Generator().manual_seed(sampling.seed)
         ids = prompt_ids.to(self.device)
@@ -71,14 +71,8 @@ class HFEngine:
     def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy each (HF name, tensor) into the model; a fused gate_up_proj is split (gate rows
         first). Unknown names and shape mismatches raise before anything of the bucket is copied."""
-        self._awake("update_weights")
-        plan = [pair for name, tensor in bucket for pair in unfuse(name, tensor)]
-        for name, tensor in plan:
-            param = self._params.get(name)
-            if param is None:
-                raise KeyError(f"the engine has no weight {name!r}")
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)} sent, the engine holds {tuple(param.shape)}")
+        require_awake(self, "update_weights")
+        plan = bucket_plan(bucket, {name: p.shape for name, p in self._params.items()})
         for name, tensor in plan:
             self._params[name].copy_(tensor)
         return len(plan)
@@ -103,7 +97,3 @@ class HFEngine:
         if self.device.type == "cuda":
             self.model.to(self.device)  # in place: the Parameter objects in _params stay the same
         self.asleep = False
-
-    def _awake(self, what: str) -> None:
-        if self.asleep:
-            raise EngineAsleep(f"{what} while the engine sleeps: call wake() first")

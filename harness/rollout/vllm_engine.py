@@ -19,7 +19,6 @@ import os
 import pickle
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from multiprocessing.connection import Connection
@@ -28,7 +27,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from harness.rollout.engine import EngineAsleep, Rollouts, Sampling, make_rollouts, prompt_rows, unfuse
+from harness.rollout.engine import Rollouts, Sampling, bucket_plan, make_rollouts, prompt_rows, require_awake
 
 SERVER = Path(__file__).with_name("vllm_server.py")
 REPO_VENV = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
@@ -180,7 +179,7 @@ class VLLMEngine:
     # ------------------------------------------------------------------------- generation
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> Rollouts:
         """n completions of exactly max_tokens per prompt; prompt i samples from seed + i."""
-        self._awake("generate")
+        require_awake(self, "generate")
         prompt_ids, prompt_mask, index = prompt_rows(prompts, sampling.n, self.vocab_size, self.pad_id)
         plain = [list(map(int, p)) for p in prompts]
         out = self._call("generate", prompts=plain, n=sampling.n, max_tokens=sampling.max_tokens,
@@ -196,14 +195,8 @@ class VLLMEngine:
         """Send (HF name, tensor) pairs; a fused gate_up_proj is split (gate rows first); q/k/v of a
         layer are held until all three have come. Unknown names and shape mismatches raise before
         anything of the bucket is sent."""
-        self._awake("update_weights")
-        plan = [pair for name, tensor in bucket for pair in unfuse(name, tensor)]
-        for name, tensor in plan:
-            shape = self.shapes.get(name)
-            if shape is None:
-                raise KeyError(f"the engine has no weight {name!r}")
-            if shape != tuple(tensor.shape):
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)} sent, the engine holds {shape}")
+        require_awake(self, "update_weights")
+        plan = bucket_plan(bucket, self.shapes)
         ready = []
         for name, tensor in plan:
             tensor = tensor.detach().to("cpu", self.dtype).contiguous()
@@ -256,7 +249,3 @@ class VLLMEngine:
     def wake(self) -> None:
         self._call("wake")
         self.asleep = False
-
-    def _awake(self, what: str) -> None:
-        if self.asleep:
-            raise EngineAsleep(f"{what} while the engine sleeps: call wake() first")
