@@ -128,6 +128,7 @@ def check_target(model: str, layout: str | None, device: str | None, dtype: str)
     except (ModelNotFoundError, OSError, ValueError) as exc:
         raise BadInput(" ".join(str(exc).split())) from None
     text = layout or default_layout(device)
+    config.name_or_path = config.name_or_path or model  # a zoo config has none: errors name the model
     try:
         parsed = parse_layout(text)
         validate(parsed, parsed.world_size, config)

@@ -10,16 +10,27 @@ the failure reports are here, once.
 from __future__ import annotations
 
 import itertools
+import json
+import os
 import pickle
+import shutil
 import sys
+import tempfile
 import time
-from typing import Any, Callable
+from typing import Any, Callable, TextIO
+
+import psutil
 
 from harness.launch.errors import RankDied, RankError, RemoteTraceback, WorldStartError, WorldTimeout
 from harness.report import buffer as report_buffer
 
 DEVICES = ("cpu", "cuda")
 LOG_TAIL_LINES = 30
+# A world's directory (rank logs, stack dumps) under the temp dir, per launcher: World, RayWorld.
+WORKDIR_PREFIXES = ("mrh-world", "mrh-rayworld")
+OWNER_FILE = "owner"  # {"pid", "started"} of the process that made the directory
+OWNER_START_SLACK_S = 2.0
+LEGACY_MAX_AGE_S = 24 * 3600  # a directory without an owner file (an older harness) is stale after this
 
 
 class WorldBase:
@@ -28,7 +39,8 @@ class WorldBase:
     launcher = "?"
 
     def __init__(self, size: int, device: str = "cpu", *, timeout: float = 300.0, start_timeout: float = 180.0,
-                 failure_grace: float = 5.0, env: dict[str, str] | None = None, echo_output: bool = True):
+                 failure_grace: float = 5.0, death_grace: float = 1.0, env: dict[str, str] | None = None,
+                 echo_output: bool = True, echo_to: TextIO | None = None):
         if size < 1:
             raise ValueError(f"world size must be >= 1, got {size}")
         if device not in DEVICES:
@@ -38,8 +50,14 @@ class WorldBase:
         self.timeout = timeout
         self.start_timeout = start_timeout
         self.failure_grace = failure_grace
-        self.env = dict(env or {})
+        self.death_grace = death_grace
+        from harness.backends import cpu_arithmetic
+
+        # The ranks compute with the CPU kernels this process pinned, wherever they run (a Ray node
+        # does not inherit this environment): harness.backends.cpu_arithmetic.
+        self.env = {**cpu_arithmetic.env(), **(env or {})}
         self.echo_output = echo_output
+        self.echo_to = echo_to  # where echoed rank output goes: a file, or None for this process's stdout
         self.starts = 0  # how many times the ranks were (re)started
         self.calls = 0  # how many calls were sent to the ranks
         self._call_ids = itertools.count()
@@ -125,17 +143,16 @@ class WorldBase:
     def _gather(self, call_id: Any, timeout: float) -> tuple[dict, dict, dict, set]:
         """(results, errors, died, hung) of one call: results[rank] = pickled value,
         errors[rank] = (pickled exception or None, traceback), died[rank] = exit code or None,
-        hung = ranks that did not answer in time. Once a rank failed, the others get
-        `failure_grace` seconds (they may be stuck waiting for it)."""
+        hung = ranks that did not answer in time. Once a rank raised, the others get
+        `failure_grace` seconds (they may be stuck waiting for it, or about to raise too); once a
+        rank died, only `death_grace`: the others of a collective call are almost surely blocked on
+        it, and waiting longer only delays the report (their stacks are collected after the wait)."""
         deadline = time.monotonic() + timeout
         results: dict[int, bytes] = {}
         errors: dict[int, tuple[bytes | None, str]] = {}
         died: dict[int, int | None] = {}
         pending = set(range(self.size))
-        failed_at: float | None = None
         while pending:
-            if failed_at is not None:
-                deadline = min(deadline, failed_at + self.failure_grace)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
@@ -148,7 +165,8 @@ class WorldBase:
                     died[rank] = value
                 else:
                     errors[rank] = (None, value)
-                failed_at = failed_at or time.monotonic()
+                grace = self.death_grace if outcome == "died" else self.failure_grace
+                deadline = min(deadline, time.monotonic() + grace)  # a later failure never extends it
         return results, errors, died, pending
 
     def _collect(self, call_id: Any, timeout: float, what: str) -> list[Any]:
@@ -177,7 +195,7 @@ class WorldBase:
     def _echo(self, rank: int, output: str) -> None:
         if output and self.echo_output:
             for line in output.rstrip("\n").split("\n"):
-                print(f"[rank{rank}] {line}")
+                print(f"[rank{rank}] {line}", file=self.echo_to)
 
     # ------------------------------------------------------------------ failures
     def _raise_rank_error(self, errors: dict[int, tuple[bytes | None, str]], what: str) -> None:
@@ -219,6 +237,64 @@ class WorldBase:
             f"world torn down, the next call starts a fresh one\n{detail}",
             sorted(hung),
         )
+
+
+def make_workdir(prefix: str) -> str:
+    """A new world directory under the temp dir, naming this process as its owner; first removes
+    the directories that killed jobs left behind (only `close()` removes a world's own)."""
+    sweep_stale_workdirs()
+    path = tempfile.mkdtemp(prefix=prefix)
+    me = psutil.Process()
+    with open(os.path.join(path, OWNER_FILE), "w") as f:
+        # The start time tells the owner from a later process that got its pid.
+        json.dump({"pid": me.pid, "started": me.create_time()}, f)
+    return path
+
+
+def sweep_stale_workdirs() -> None:
+    """Remove this user's world directories in the temp dir whose owner is dead."""
+    for entry in os.scandir(tempfile.gettempdir()):
+        if entry.name.startswith(WORKDIR_PREFIXES) and _own_directory(entry) and _stale(entry.path):
+            shutil.rmtree(entry.path, ignore_errors=True)  # another world's sweep may be at it too
+
+
+def _own_directory(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_dir(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_uid == os.getuid()
+    except OSError:  # removed meanwhile by another world's sweep
+        return False
+
+
+def _stale(path: str) -> bool:
+    try:
+        with open(os.path.join(path, OWNER_FILE)) as f:
+            owner = json.load(f)
+        pid, started = int(owner["pid"]), float(owner["started"])
+    except (OSError, ValueError, KeyError, TypeError):
+        # No owner (an older harness) or one being written right now: judge by age alone.
+        return time.time() - _last_modified(path) > LEGACY_MAX_AGE_S
+    return not _running(pid, started)
+
+
+def _running(pid: int, started: float) -> bool:
+    try:
+        proc = psutil.Process(pid)
+        # psutil derives a start time from the boot time, which a clock step may shift a little;
+        # a pid reused within seconds of its first owner's start is not a real case.
+        same = abs(proc.create_time() - started) < OWNER_START_SLACK_S
+        return same and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:  # someone's live process we may not inspect: keep its directory
+        return True
+
+
+def _last_modified(path: str) -> float:
+    """The newest mtime of the directory and its files (a rank log keeps growing in a live world)."""
+    try:
+        return max([os.path.getmtime(path)] + [e.stat().st_mtime for e in os.scandir(path)])
+    except OSError:  # removed meanwhile
+        return time.time()
 
 
 def tail(text: str) -> str:

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import atexit
 import os
-import tempfile
 import weakref
-from typing import Any
+from typing import Any, TextIO
 
-from harness.launch.base import WorldBase, tail
+from harness.launch.base import WorldBase, make_workdir, tail
 from harness.launch.rank import RankSpec, _read_from, all_stacks, execute, join_reply, prepare
 
 PLACEMENTS = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
@@ -92,10 +91,11 @@ class RayWorld(WorldBase):
     launcher = "ray"
 
     def __init__(self, size: int, device: str = "cpu", *, placement: str = "STRICT_PACK", timeout: float = 300.0,
-                 start_timeout: float = 180.0, failure_grace: float = 5.0, env: dict[str, str] | None = None,
-                 echo_output: bool = True, ping_timeout: float = 10.0):
+                 start_timeout: float = 180.0, failure_grace: float = 5.0, death_grace: float = 1.0,
+                 env: dict[str, str] | None = None, echo_output: bool = True, echo_to: TextIO | None = None,
+                 ping_timeout: float = 10.0):
         super().__init__(size, device, timeout=timeout, start_timeout=start_timeout, failure_grace=failure_grace,
-                         env=env, echo_output=echo_output)
+                         death_grace=death_grace, env=env, echo_output=echo_output, echo_to=echo_to)
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
         self.placement = placement
@@ -156,7 +156,7 @@ class RayWorld(WorldBase):
         self.nodes = ray.get([a.node.remote() for a in self._actors], timeout=self.start_timeout)
         port = ray.get(self._actors[0].open_store.remote(self.size, self.start_timeout), timeout=self.start_timeout)
         # Each rank's log lives on its own node; on one machine they share this directory.
-        self._workdir = tempfile.mkdtemp(prefix=f"mrh-rayworld{self.size}-{self.device}-")
+        self._workdir = make_workdir(f"mrh-rayworld{self.size}-{self.device}-")
         specs = [RankSpec(rank=rank, world_size=self.size, device=self.device, store_host=self.nodes[0]["ip"],
                           store_port=port, workdir=self._workdir, parent_pid=os.getpid(),
                           pg_timeout_s=max(self.timeout, self.start_timeout), env=self.env)

@@ -12,14 +12,13 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
-import tempfile
 import time
 import weakref
 from datetime import timedelta
 from multiprocessing.connection import wait
-from typing import Any
+from typing import Any, TextIO
 
-from harness.launch.base import DEVICES, WorldBase, tail
+from harness.launch.base import DEVICES, WorldBase, make_workdir, tail
 from harness.launch.errors import WorldStartError
 from harness.launch.rank import STACK_SIGNAL, RankSpec, _read_from, rank_main
 
@@ -49,8 +48,10 @@ class World(WorldBase):
         timeout: float = 300.0,
         start_timeout: float = 180.0,
         failure_grace: float = 5.0,
+        death_grace: float = 1.0,
         env: dict[str, str] | None = None,
         echo_output: bool = True,
+        echo_to: TextIO | None = None,
         start_method: str = "spawn",
     ):
         if device not in DEVICES:
@@ -60,7 +61,7 @@ class World(WorldBase):
         if device == "cuda" and start_method == "fork":
             raise ValueError("a cuda world cannot fork its ranks (CUDA does not survive a fork); use spawn")
         super().__init__(size, device, timeout=timeout, start_timeout=start_timeout, failure_grace=failure_grace,
-                         env=env, echo_output=echo_output)
+                         death_grace=death_grace, env=env, echo_output=echo_output, echo_to=echo_to)
         if device == "cuda":
             _require_gpus(size)
         self.start_method = start_method
@@ -86,7 +87,7 @@ class World(WorldBase):
     def _start_ranks(self) -> None:
         import torch.distributed as dist
 
-        self._workdir = tempfile.mkdtemp(prefix=f"mrh-world{self.size}-{self.device}-")
+        self._workdir = make_workdir(f"mrh-world{self.size}-{self.device}-")
         self._store = dist.TCPStore(  # port 0: the OS picks a free port, no race between workers
             "127.0.0.1", 0, self.size, is_master=True, wait_for_workers=False,
             timeout=timedelta(seconds=self.start_timeout),

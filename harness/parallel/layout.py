@@ -375,14 +375,15 @@ def validate(layout: Layout, world_size: int, model: Any = None) -> Layout:
     """
     if not _is_positive_int(world_size):
         raise LayoutError(f"world size must be a positive integer, got {world_size!r}")
-    problems = _model_problems(layout, model) if model is not None else []
-    problems += _layout_problems(layout, world_size)
-    if problems:
-        where = f"world size {world_size}"
-        if model is not None:
-            where += f" and {_model_label(model)}"
-        lines = "\n".join(f"  - {problem}" for problem in problems)
-        raise LayoutError(f"layout {layout.name} is invalid for {where}:\n{lines}")
+    model_problems = _model_problems(layout, model) if model is not None else []
+    world_problems = _layout_problems(layout, world_size)
+    if model_problems or world_problems:
+        # Name only what a problem is about: a caller that derived the world size from the layout
+        # (the CLIs) would otherwise show the user a number they never typed.
+        where = [f"world size {world_size}"] if world_problems else []
+        where += [_model_label(model)] if model_problems else []
+        lines = "\n".join(f"  - {problem}" for problem in model_problems + world_problems)
+        raise LayoutError(f"layout {layout.name} is invalid for {' and '.join(where)}:\n{lines}")
     return layout
 
 

@@ -5,20 +5,28 @@
 Prints one line per iteration (reward, loss, grad norm, token_mult_prob_error, seconds), and writes
 under --out (default reports/loops/<timestamp>): iterations.json (config, versions, every metric and
 the sampled tokens), iterations.csv, loop.png (reward, loss and token_mult_prob_error per
-iteration) and summary.md. Exit 0 done, 2 bad input (before any rank starts).
+iteration) and summary.md. What the ranks print goes to ranks.log there, not between the iteration
+lines; each distinct warning in it gets one line on stderr after the run. Exit 0 done, 2 bad input
+(before any rank starts).
 """
 from __future__ import annotations
 
 import argparse
 import csv
 import json
+import re
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from harness.bench.ckpt import BadInput, _versions, check_target
+
+RANK_LOG = "ranks.log"
+# A Python warning as `warnings` prints it: "path:line: SomeWarning: message".
+WARNING = re.compile(r"\b(\w+Warning: .+)$")
+POINTER_WIDTH = 160  # a pointer line names its warning, the log has the whole of it
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,7 +72,7 @@ def main(args: argparse.Namespace) -> int:
     except (BadInput, ValueError) as exc:
         print(f"mrh loop: {exc}", file=sys.stderr)
         return 2
-    history = _run(checked, config)
+    history = _run(checked, config, out)
     _write(out, checked, config, history)
     print(f"run report: {out}", file=sys.stderr)
     return 0
@@ -82,17 +90,29 @@ def _check_vllm(model: str, device: str) -> None:
     check_model(load_hf_config(model), device)
 
 
-def _run(checked: dict[str, Any], config) -> list:
+def _run(checked: dict[str, Any], config, out: Path) -> list:
+    layout, device = checked["layout"], checked["device"]
+    print(f"mrh loop: {checked['model']} {layout.name} on {layout.world_size} {device} ranks, {config.dtype}, "
+          f"{config.iterations} iterations of {config.prompts_per_step} prompts x {config.group_size}",
+          file=sys.stderr)
+    out.mkdir(parents=True, exist_ok=True)
+    rank_log = out / RANK_LOG
+    try:
+        with open(rank_log, "w", buffering=1) as log:  # line-buffered: `tail -f` follows the ranks
+            return _iterate(checked, config, log)
+    finally:  # a failed run's warnings may be what explains it
+        _point_at_warnings(rank_log)
+
+
+def _iterate(checked: dict[str, Any], config, rank_log: TextIO) -> list:
     from tqdm import tqdm
 
     from harness.launch.pool import WorldPool
     from harness.rl.loop import RLLoop
 
     layout, device = checked["layout"], checked["device"]
-    print(f"mrh loop: {checked['model']} {layout.name} on {layout.world_size} {device} ranks, {config.dtype}, "
-          f"{config.iterations} iterations of {config.prompts_per_step} prompts x {config.group_size}",
-          file=sys.stderr)
-    pool = WorldPool()
+    # Rank output would land between the iteration lines: it goes to the run's log instead.
+    pool = WorldPool(echo_to=rank_log)
     try:
         bar = tqdm(total=config.iterations, desc="iterations", file=sys.stderr)
 
@@ -109,6 +129,18 @@ def _run(checked: dict[str, Any], config) -> list:
         return history
     finally:
         pool.close()
+
+
+def _point_at_warnings(rank_log: Path) -> None:
+    """One stderr line per distinct warning the ranks printed (each rank prints its own copy)."""
+    seen: dict[str, None] = {}
+    for line in rank_log.read_text().splitlines():
+        found = WARNING.search(line)
+        if found:
+            seen.setdefault(found.group(1).strip())
+    for warning in seen:
+        short = warning if len(warning) <= POINTER_WIDTH else warning[:POINTER_WIDTH - 3] + "..."
+        print(f"mrh loop: a rank warned (see {rank_log}): {short}", file=sys.stderr)
 
 
 def _write(out: Path, checked: dict[str, Any], config, history: list) -> None:

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import psutil
@@ -51,6 +53,14 @@ def _stuck_in_here() -> None:
 def _die_on_rank_one() -> None:
     if context().rank == 1:
         os._exit(3)
+    time.sleep(600)
+
+
+def _mark_then_wait(marker: str) -> None:
+    """Every rank is mid-call once `marker` has a line per rank; then they wait, as ranks blocked
+    on a peer in a collective would."""
+    with open(marker, "a") as f:
+        f.write(f"{context().rank}\n")
     time.sleep(600)
 
 
@@ -135,6 +145,29 @@ def test_dead_rank_fails_fast_with_exit_code_and_the_other_stacks(world):
     assert info.value.rank == 1 and info.value.exitcode == (3 if world.launcher == "process" else None)
     assert "_die_on_rank_one" in str(info.value).split("--- rank 0:")[1]
     assert world.run(_rank_and_sum, 0) == [(0, 3.0), (1, 3.0)]
+
+
+def test_a_rank_killed_mid_call_fails_the_call_within_seconds(world, tmp_path):
+    """A SIGKILLed rank fails the call about a second after its death: the others, surely blocked
+    on it, get a short grace (`death_grace`), not the grace an exception gets."""
+    marker = tmp_path / "in_call"
+    killed_at: list[float] = []
+
+    def kill_rank_one_mid_call() -> None:
+        while not (marker.exists() and len(marker.read_text().split()) == world.size):
+            time.sleep(0.05)
+        killed_at.append(time.monotonic())
+        os.kill(world.pids[1], signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_rank_one_mid_call, daemon=True)
+    killer.start()
+    with pytest.raises(RankDied) as info:
+        world.run(_mark_then_wait, str(marker), timeout=120)
+    failed_after = time.monotonic() - killed_at[0]
+    print(f"{world.launcher}: the call failed {failed_after:.2f} s after the kill")
+    assert info.value.rank == 1 and "rank 1 died" in str(info.value)
+    assert "_mark_then_wait" in str(info.value).split("--- rank 0:")[1], "rank 0's stack is in the report"
+    assert failed_after < 4.0, f"the call failed {failed_after:.1f} s after rank 1 was killed"
 
 
 def test_unpicklable_function_and_result_are_clear_errors(world):

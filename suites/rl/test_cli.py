@@ -3,6 +3,9 @@ iteration and writes its report (JSON, CSV, plot, summary)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +26,17 @@ def test_bad_input_is_one_line_and_exit_2(args, message, capsys, tmp_path):
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "r").exists()
+
+
+def test_a_layout_the_model_cannot_take_names_the_model_not_a_world_size(tmp_path):
+    """The world size of `--layout tp3` is derived from the layout: the error is about the model."""
+    mrh = Path(sys.executable).with_name("mrh")
+    done = subprocess.run([str(mrh), "loop", "--layout", "tp3", "--iterations", "1"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    err = done.stderr.strip()
+    assert done.returncode == 2 and len(err.splitlines()) == 1, err
+    assert "num_attention_heads=4" in err and "world size" not in err, err
+    assert "tp3 is invalid for model tiny-qwen3" in err, err
 
 
 def test_a_missing_vllm_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
@@ -47,6 +61,25 @@ def test_a_run_prints_each_iteration_and_writes_its_report(tmp_path, capsys):
     assert [it["iteration"] for it in data["iterations"]] == [0, 1] and data["layout"] == "dp2"
     assert (out / "loop.png").stat().st_size > 1000 and (out / "iterations.csv").read_text().count("\n") == 3
     assert "| 1 |" in (out / "summary.md").read_text()
+
+
+def test_rank_output_goes_to_the_run_log_and_leaves_the_progress_lines_alone(tmp_path):
+    """The ranks' warnings (Megatron's, torch's) land in <out>/ranks.log; the terminal gets the
+    iteration lines back to back and one pointer line per distinct warning, after the run."""
+    out = tmp_path / "run"
+    mrh = Path(sys.executable).with_name("mrh")
+    done = subprocess.run([str(mrh), "loop", "--device", "cpu", "--layout", "dp2", "--iterations", "2",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = done.stdout.splitlines()
+    iterations = [i for i, line in enumerate(lines) if "token_mult_prob_error" in line]
+    assert len(iterations) == 2 and iterations[1] == iterations[0] + 1, done.stdout
+    assert not [line for line in lines if "[rank" in line], done.stdout
+    log = (out / "ranks.log").read_text()
+    assert "[rank0]" in log and "[rank1]" in log and "Warning:" in log
+    pointers = [line for line in done.stderr.splitlines() if "ranks.log" in line]
+    assert pointers and len(pointers) == len(set(pointers)), done.stderr
+    assert not [line for line in done.stderr.splitlines() if "[rank" in line and line not in pointers], done.stderr
 
 
 @pytest.mark.nightly  # ~45 s on the CI machine; the loop on vLLM itself runs in CI (test_loop.py)
