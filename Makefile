@@ -5,6 +5,10 @@ BIN    := $(VENV)/bin
 # torch 2.13.0 is the CPU wheel this project's machines hold locally; any other torch pulls GBs of
 # CUDA packages. On a GPU machine set TORCH_SPEC to the torch you have (or "" to keep it).
 TORCH_SPEC ?= torch==2.13.0
+# The exact versions CI tested (ci/freeze_constraints.sh refreshes them): a fresh machine gets the
+# same stack whatever was released since. CONSTRAINTS="" installs the newest the ranges allow.
+CONSTRAINTS ?= ci/constraints/harness-cpu.txt
+VLLM_CONSTRAINTS ?= ci/constraints/vllm-cpu.txt
 PYTEST_ARGS ?=
 # `make test` writes its run report here (a previous run there is moved beside it, not lost);
 # `make compare` compares it with BASELINE, `make baseline` makes it the new BASELINE.
@@ -38,13 +42,13 @@ setup-harness:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(if $(TORCH_SPEC),$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)")
-	$(BIN)/python -m pip install --quiet -e .
+	$(BIN)/python -m pip install --quiet -e . $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	$(BIN)/python -c 'import importlib, megatron.core, mbridge, harness.pytest_plugin.plugin as p; [importlib.import_module(m) for m in p.pytest_plugins]; print("setup ok:", megatron.core.__version__)'
 
 vllm:
 	@start=$$(date +%s); \
 	$(PYTHON) -m venv $(VLLM_VENV) && \
-	$(VLLM_VENV)/bin/python -m pip install --quiet "$(VLLM_SPEC)" && \
+	$(VLLM_VENV)/bin/python -m pip install --quiet "$(VLLM_SPEC)" $(if $(VLLM_CONSTRAINTS),-c $(VLLM_CONSTRAINTS)) && \
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec && \
 	$(VLLM_VENV)/bin/python -c 'import vllm, torch; print("vllm ok:", vllm.__version__, "torch", torch.__version__)' && \
 	echo "vllm install: $$(( $$(date +%s) - start )) s"

@@ -83,6 +83,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from harness.backends import cpu_arithmetic
+
+    try:  # before any torch kernel runs here or in a rank ($MRH_CPU_ISA; cpu_arithmetic says why)
+        cpu_arithmetic.pin()
+    except (ValueError, cpu_arithmetic.ArithmeticPinError) as exc:
+        print(f"mrh: {exc}", file=sys.stderr)
+        return 2
     args = _parser().parse_args(argv)
     module_name, func_name = args.handler.split(":")
     module = __import__(module_name, fromlist=[func_name])  # import only what the command needs

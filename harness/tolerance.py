@@ -108,6 +108,13 @@ class Tolerance:
         return off / allowed
 
     @property
+    def claim(self) -> str:
+        """What a value held to this bound claims (harness.report.claims): exact or bounded."""
+        from harness.report.claims import of_bound
+
+        return of_bound(self.limit, self.ideal)
+
+    @property
     def origin(self) -> str:
         parts = [self.rationale] if self.rationale else []
         parts += [f"evidence: {e.citation()}" for e in self.evidence]
@@ -125,6 +132,10 @@ class CheckResult(NamedTuple):
     @property
     def margin(self) -> float:
         return self.tolerance.margin(self.value)
+
+    @property
+    def claim(self) -> str:
+        return self.tolerance.claim
 
     @classmethod
     def judge(cls, metric: str, value: float, bound: Tolerance) -> "CheckResult":
@@ -164,7 +175,7 @@ class Judged:
         from harness.report.rows import Row
 
         return [Row(suite="", test="", layout=layout, metric=c.metric, value=c.value, tolerance=c.tolerance.limit,
-                    passed=c.passed, model=model, dtype=self.dtype, device=self.device,
+                    passed=c.passed, claim=c.claim, model=model, dtype=self.dtype, device=self.device,
                     extra=dict(extra, tolerance_kind=c.tolerance.kind))
                 for c in self.checks]
 

@@ -28,7 +28,7 @@ import signal
 import time
 from typing import Any
 
-from harness.checkpoint.faults import fault
+from harness.checkpoint.faults import awaiting_writes, fault
 
 
 def _psutil():
@@ -42,7 +42,7 @@ class RankSaver:
 
     def __init__(self) -> None:
         self._queue = None
-        self._pending: list[dict[str, Any]] = []  # {"call": megatron-core's call index, "directory"}
+        self._pending: list[dict[str, Any]] = []  # {"call": megatron-core's call index, "directory", "iteration"}
 
     # ------------------------------------------------------------------ saving
     def save(self, state: dict[str, Any], directory: str, *, strategy, content_metadata: dict[str, Any],
@@ -70,6 +70,7 @@ class RankSaver:
         timings = {"plan_s": planned - started}
         if not async_save:
             cpu = _children_cpu_s()
+            awaiting_writes(iteration)  # a sync save waits for its writers at once
             request.execute_sync()
             return {**timings, "stage_s": time.perf_counter() - planned, "writer_cpu_s": _children_cpu_s() - cpu}
         if self._queue is None:
@@ -77,7 +78,7 @@ class RankSaver:
 
             self._queue = AsyncCallsQueue(persistent=False)
         call = self._queue.schedule_async_request(request)
-        self._pending.append({"call": call, "directory": directory})
+        self._pending.append({"call": call, "directory": directory, "iteration": iteration})
         return {**timings, "stage_s": time.perf_counter() - planned}
 
     # ------------------------------------------------------------------ finalizing
@@ -92,6 +93,9 @@ class RankSaver:
         if not self._pending:
             return {"finalized": [], "pending": 0, "error": None, "failed": None, "writer_cpu_s": 0.0}
         cpu = _children_cpu_s()
+        if blocking:  # this rank now blocks on the writers: a writer held at a fault point may act
+            for pending in self._pending:
+                awaiting_writes(pending["iteration"])
         try:
             calls = self._queue.maybe_finalize_async_calls(blocking=blocking)
         except BaseException as exc:  # CheckpointException is a BaseException
@@ -134,6 +138,16 @@ class RankSaver:
 
     def pending(self) -> int:
         return len(self._pending)
+
+    def writes_done(self, iteration: int) -> bool:
+        """The writer of this rank's pending save of `iteration` has exited (its writes are on disk
+        or failed; finalize has not run yet). True when no such save is pending."""
+        for pending in self._pending:
+            if pending["iteration"] == iteration:
+                active = next((a for a in self._queue.async_calls if a.idx == pending["call"]), None)
+                process = active.async_caller.process if active is not None else None
+                return process is None or not process.is_alive()
+        return True
 
 
 # ---------------------------------------------------------------------- processes

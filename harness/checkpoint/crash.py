@@ -7,10 +7,15 @@ world of rank processes (forked from the driver on CPU, spawned on CUDA). The jo
 (sync or async, `keep`). The job dies in one of three ways:
 
 - at a named fault point (harness.checkpoint.faults) of the save of `FAULT_ITERATION`: the process
-  that reaches it SIGKILLs every process of the session, itself last;
-- at a random time after training started (`kill_after` seconds): this process SIGKILLs the session;
-- `parent_only`: only the driver is SIGKILLed, as the OOM killer would; its ranks must take their
-  writers down themselves (each rank kills its process group when its parent is gone).
+  that reaches it SIGKILLs every process of the session, itself last (at `shard-writes`, a point
+  reached in a writer, once the trainer waits for that write: the faults module says why). The
+  point is reached for certain: a job that never reached it is an error (`FaultNotReached`);
+- the same with action "kill-driver": only the driver is SIGKILLed, as the OOM killer would, while
+  the write is in flight; its ranks must take their writers down themselves (each rank kills its
+  process group when its parent is gone);
+- at a seeded random time after training started (`kill_after` seconds): this process SIGKILLs
+  the session. The instant it hits depends on the machine's speed, so it samples states between
+  the named points; what it must leave holds at every instant, so its verdict does not.
 
 `judge` then checks what the issue asks of every crash, as report rows:
   (a) the tracker, if present, names a complete checkpoint, and every save the job saw finalized
@@ -23,17 +28,15 @@ world of rank processes (forked from the driver on CPU, spawned on CUDA). The jo
 """
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
-import signal
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.checkpoint.faults import ENV, FaultPlan, kill_session, session_pids
+from harness.checkpoint.faults import ENV, FaultPlan, append_record, kill_session, read_records, session_pids
 
 FAULT_ITERATION = 3  # the save a named fault point applies to: two saves exist before it, and
 # rotation runs in it at keep=1 and keep=2
@@ -71,7 +74,7 @@ class Outcome:
 
     config: CrashConfig
     root: Path
-    how: str  # "point:<name>", "random:<seconds>", "parent-only:<seconds>", "none"
+    how: str  # "point:<name>", "driver-only:<name>", "random:<seconds>", "none"
     events: list[dict[str, Any]]
     exitcode: int | None
     orphans: list[str] = field(default_factory=list)  # "pid cmdline" of processes left behind
@@ -89,6 +92,10 @@ class Outcome:
     def crashed(self) -> bool:
         return not self.completed
 
+    def reached(self, point: str) -> bool:
+        """Some process of the job reached fault point `point` (of the save of FAULT_ITERATION)."""
+        return any(e["event"] == "fault-reached" and e["point"] == point for e in self.events)
+
     @property
     def error(self) -> str | None:
         """The traceback of a job that failed on its own (not killed)."""
@@ -96,10 +103,7 @@ class Outcome:
 
 
 # ----------------------------------------------------------------------------------- the driver
-def _event(path: str, **fields: Any) -> None:
-    with open(path, "a") as handle:  # the page cache survives SIGKILL: flush suffices
-        handle.write(json.dumps({**fields, "t": time.monotonic()}) + "\n")
-        handle.flush()
+_event = append_record  # the driver's events and the fault points' records share one file
 
 
 def _drive(config: dict[str, Any], root: str, events: str, plan: dict[str, Any] | None) -> None:
@@ -110,8 +114,8 @@ def _drive(config: dict[str, Any], root: str, events: str, plan: dict[str, Any] 
 
     cfg = CrashConfig(**config)
     env = {}
-    if plan is not None:
-        env[ENV] = FaultPlan(**{**plan, "session": os.getsid(0)}).to_env()
+    if plan is not None:  # the fault points record into the event file (harness.checkpoint.faults)
+        env[ENV] = FaultPlan(**{**plan, "session": os.getsid(0), "log": events}).to_env()
         os.environ[ENV] = env[ENV]  # the parent-side points
     world = World(as_layout(cfg.layout).world_size, cfg.device, env=env, echo_output=False,
                   start_method="fork" if cfg.device == "cpu" else "spawn")
@@ -172,16 +176,11 @@ def _context():
     return _ctx
 
 
-def _read_events(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    events = []
-    for line in path.read_text().splitlines():
-        try:
-            events.append(json.loads(line))
-        except ValueError:  # a line cut by the kill
-            pass
-    return events
+_read_events = read_records
+
+
+class FaultNotReached(RuntimeError):
+    """A trial's job ended without reaching its fault point: the trial proves nothing."""
 
 
 def _describe(pid: int) -> str:
@@ -193,51 +192,41 @@ def _describe(pid: int) -> str:
         return f"{pid} (gone)"
 
 
-def run_trial(config: CrashConfig, root: str | os.PathLike, *, point: str | None = None,
-              kill_after: float | None = None, after_save: int | None = None, parent_only: bool = False,
-              timeout: float = 240.0, grace: float = 10.0) -> Outcome:
+def run_trial(config: CrashConfig, root: str | os.PathLike, *, point: str | None = None, action: str = "kill",
+              kill_after: float | None = None, timeout: float = 240.0, grace: float = 10.0) -> Outcome:
     """One job into `root` (which may hold an earlier job's checkpoints), killed as asked: at a
-    fault `point`, or `kill_after` seconds after training started (after the job logged the start
-    of the save of `after_save`, if given); see the module docstring. A job that ended before its
-    kill time is judged as it is (`how` says so)."""
+    fault `point` (`action` "kill" or "kill-driver"), or `kill_after` seconds after training started;
+    see the module docstring. A job that ended before its random kill time is judged as it is
+    (`how` says so); one that never reached its fault point raises FaultNotReached."""
+    if action not in ("kill", "kill-driver") or (action == "kill-driver" and point is None):
+        raise ValueError(f"action must be 'kill' or 'kill-driver' (at a point), got {action!r}")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     events = root.parent / f"{root.name}.events-{time.monotonic_ns()}.jsonl"
-    plan = None if point is None else {"point": point, "iteration": FAULT_ITERATION, "action": "kill"}
+    plan = None if point is None else {"point": point, "iteration": FAULT_ITERATION, "action": action}
     proc = _context().Process(target=_drive, args=(asdict(config), str(root), str(events), plan),
                               name=f"mrh-crash-{config.name}")
     proc.start()
     sid = proc.pid  # the driver's setsid makes its pid the session id
-    how, killed_at = "none" if point is None else f"point:{point}", None
+    how, killed_at = "none" if point is None else f"{'point' if action == 'kill' else 'driver-only'}:{point}", None
     deadline = time.monotonic() + timeout
     if kill_after is not None:
-        def started(event):
-            return (event["event"] == "save" and event["iteration"] == after_save) if after_save \
-                else event["event"] == "ready"
-
-        mark = None
-        while mark is None and proc.is_alive() and time.monotonic() < deadline:
-            mark = next((e for e in _read_events(events) if started(e)), None)
+        ready = None
+        while ready is None and proc.is_alive() and time.monotonic() < deadline:
+            ready = next((e for e in _read_events(events) if e["event"] == "ready"), None)
             time.sleep(0.02)
-        if mark is not None:
-            time.sleep(max(0.0, mark["t"] + kill_after - time.monotonic()))
-            ready = next(e for e in _read_events(events) if e["event"] == "ready")
+        if ready is not None:
+            time.sleep(max(0.0, ready["t"] + kill_after - time.monotonic()))
             killed_at = time.monotonic() - ready["t"]
-            kind = "parent-only" if parent_only else "random"
-            how = f"{kind}:{killed_at:.2f}"
-            try:
-                if parent_only:
-                    os.kill(proc.pid, signal.SIGKILL)
-                elif not kill_session(sid, include_self=False):
-                    raise ProcessLookupError
-            except ProcessLookupError:  # the job had ended: nothing to kill
-                how, killed_at = f"ended-before-{kind}-kill:{killed_at:.2f}", None
+            how = f"random:{killed_at:.2f}"
+            if not kill_session(sid, include_self=False):  # the job had ended: nothing to kill
+                how, killed_at = f"ended-before-random-kill:{killed_at:.2f}", None
     proc.join(timeout=max(1.0, deadline - time.monotonic()))
     if proc.is_alive():  # a hung job is a failure of its own: take it down, say so
         kill_session(sid, include_self=False)
         proc.join(timeout=10)
         raise TimeoutError(f"crash trial {config.name} ({how}) did not end within {timeout:.0f}s")
-    # (d) nothing of the job may outlive it; ranks need up to ~1 s to notice a parent-only kill.
+    # (d) nothing of the job may outlive it; ranks need up to ~1 s to notice a driver-only kill.
     left = session_pids(sid)
     end = time.monotonic() + grace
     while left and time.monotonic() < end:
@@ -246,7 +235,11 @@ def run_trial(config: CrashConfig, root: str | os.PathLike, *, point: str | None
     orphans = [_describe(pid) for pid in left]
     if left:
         kill_session(sid, include_self=False)
-    return Outcome(config, root, how, _read_events(events), proc.exitcode, orphans, killed_at)
+    outcome = Outcome(config, root, how, _read_events(events), proc.exitcode, orphans, killed_at)
+    if point is not None and not outcome.error and not outcome.reached(point):
+        raise FaultNotReached(f"crash trial {config.name}: the job ended ({'completed' if outcome.completed else 'killed'}) "
+                              f"without reaching fault point {point} of the save of iteration {FAULT_ITERATION}")
+    return outcome
 
 
 # ----------------------------------------------------------------------------------- judging
@@ -291,7 +284,8 @@ class Verdict:
 
         o = self.outcome
         return [Row(suite="", test="", layout=o.config.layout, metric=c.metric, value=c.value,
-                    tolerance=c.tolerance.limit, passed=c.passed, device=o.config.device, model=MODEL, dtype=o.config.dtype,
+                    tolerance=c.tolerance.limit, passed=c.passed, claim=c.claim, device=o.config.device,
+                    model=MODEL, dtype=o.config.dtype,
                     extra=dict(extra, config=o.config.name, crash=o.how, variant=o.config.variant,
                                tolerance_kind=c.tolerance.kind, resumed=self.resumed))
                 for c in self.checks]
@@ -406,5 +400,5 @@ def training_span(outcome: Outcome) -> float:
     return times["done"] - times["ready"]
 
 
-__all__ = ["CrashConfig", "FAULT_ITERATION", "Outcome", "Uninterrupted", "Verdict", "cached_trial", "judge",
+__all__ = ["CrashConfig", "FAULT_ITERATION", "FaultNotReached", "Outcome", "Uninterrupted", "Verdict", "cached_trial", "judge",
            "random_kill_times", "run_trial", "training_span", "uninterrupted"]

@@ -229,11 +229,11 @@ class CheckpointDiff:
         "tensors_mismatched" row counting every difference (missing, extra and common included)."""
         tolerance = self.atol
         rows = [{"metric": "max_abs_diff", "value": math.inf if info["max_abs"] is None else info["max_abs"],
-                 "tolerance": tolerance, "passed": False, "key": key, "shape_a": info["shape_a"],
+                 "tolerance": tolerance, "passed": False, "claim": "observed", "key": key, "shape_a": info["shape_a"],
                  "shape_b": info["shape_b"]} for key, info in self.largest()]
         differences = len(self.mismatched) + len(self.missing) + len(self.extra) + len(self.common)
         rows.append({"metric": "tensors_mismatched", "value": float(differences), "tolerance": 0.0,
-                     "passed": self.ok, "n_equal": self.equal, "n_mismatched": len(self.mismatched),
+                     "passed": self.ok, "claim": "exact", "n_equal": self.equal, "n_mismatched": len(self.mismatched),
                      "n_missing": len(self.missing), "n_extra": len(self.extra), "n_common": len(self.common)})
         return rows
 

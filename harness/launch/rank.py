@@ -135,8 +135,9 @@ def _init_process_group(spec: RankSpec) -> None:
         torch.cuda.set_device(spec.rank % torch.cuda.device_count())
         backend = "cpu:gloo,cuda:nccl"  # gloo too: Megatron makes gloo groups for CPU tensors
     else:
-        from harness.backends import cpu_patches
+        from harness.backends import cpu_arithmetic, cpu_patches
 
+        cpu_arithmetic.pin()  # the parent's pin came in the environment: check that it took
         cpu_patches.install()
         # Ranks share the machine's cores: more intra-op threads than cores/ranks only spin.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))

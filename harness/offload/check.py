@@ -110,7 +110,7 @@ def byte_rows(result: RoundTrip, ranks: list[list[dict]], phase: str) -> list[di
             bound = offload_tolerance(metric, result.dtype)
             result.byte_rows.append(Row(
                 suite="", test="", layout=result.layout, metric=metric, value=value, tolerance=bound.limit,
-                passed=bound.passes(value), model=MODEL, dtype=result.dtype, device=result.device, units="bytes",
+                passed=bound.passes(value), claim=bound.claim, model=MODEL, dtype=result.dtype, device=result.device, units="bytes",
                 extra={"variant": result.variant, "rank": rank, "phase": phase, "component": r["component"],
                        "op": r["op"], "theory_bytes": r["theory_bytes"],
                        "theory_device_bytes": r["theory_device_bytes"], "measured_bytes": r["measured_bytes"],

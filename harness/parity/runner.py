@@ -197,7 +197,7 @@ def _rows(result: ParityResult, suite: str, test: str, model: str) -> list[Row]:
              "reference": result.case.reference, "norm_precision": result.norm_precision}
     return [
         Row(suite=suite, test=test, layout=result.layout.name, metric=metric, value=float(value),
-            tolerance=tol.limit, passed=bool(ok), model=model, dtype=result.case.dtype,
+            tolerance=tol.limit, passed=bool(ok), claim=tol.claim, model=model, dtype=result.case.dtype,
             device=result.device, extra={**extra, "tolerance_kind": tol.kind})
         for metric, value, tol, ok in result.checks
     ]

@@ -52,6 +52,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--mrh-ray-placement", default="STRICT_PACK",
                     choices=["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"],
                     help="placement group strategy of the Ray launcher's rank bundles (default STRICT_PACK)")
+    group.addoption("--mrh-cpu-isa", default=None, choices=["avx2", "native"],
+                    help="CPU kernels of every process of the run: avx2 (default, or $MRH_CPU_ISA: the same "
+                         "bits on any x86-64 machine) or native (the machine's own; results hold on it "
+                         "only). harness.backends.cpu_arithmetic says why")
     group.addoption("--mrh-nightly", action="store_true",
                     help="also run the tests marked nightly (long sweeps; -m nightly runs them alone)")
     group.addoption("--mrh-report-dir", default=os.environ.get("MRH_REPORT_DIR", "reports/runs"),
@@ -63,6 +67,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="this run's report directory itself, instead of a new one under "
                          "--mrh-report-dir (`make test` uses reports/runs/latest); a previous run "
                          "found there is first moved beside it under its timestamped name")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser, args: list[str]) -> None:
+    """Pin the CPU kernels before any conftest runs code (a conftest's import may run a torch op,
+    which fixes torch's choice for the process); the ranks inherit the environment."""
+    from harness.backends import cpu_arithmetic
+
+    try:
+        cpu_arithmetic.pin(early_config.known_args_namespace.mrh_cpu_isa)
+    except (ValueError, cpu_arithmetic.ArithmeticPinError) as exc:
+        raise pytest.UsageError(f"--mrh-cpu-isa: {exc}") from None
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -122,10 +122,11 @@ class ReportHandle:
         self.test = node.nodeid
         self._generated = _generated(node)
 
-    def add(self, metric: str, value: float, *, tolerance: float | None, passed: bool, layout: str = "",
-            **fields) -> Row:
+    def add(self, metric: str, value: float, *, tolerance: float | None, passed: bool, claim: str,
+            layout: str = "", **fields) -> Row:
+        """One row; `claim` says what kind of claim it is (harness.report.claims)."""
         row = as_row({"metric": metric, "value": value, "tolerance": tolerance, "passed": passed,
-                      "layout": layout, **fields, **self._generated}, self.suite, self.test)
+                      "claim": claim, "layout": layout, **fields, **self._generated}, self.suite, self.test)
         self._run_report.add_rows([row])
         return row
 

@@ -11,11 +11,14 @@ from typing import Any
 _buffer: list[dict[str, Any]] = []
 
 
-def record_row(metric: str, value: float, *, tolerance: float | None, passed: bool, layout: str = "",
-               **fields: Any) -> None:
-    """Record one comparison (suite and test are filled in by the test process)."""
+def record_row(metric: str, value: float, *, tolerance: float | None, passed: bool, claim: str,
+               layout: str = "", **fields: Any) -> None:
+    """Record one comparison and the kind of claim it makes (harness.report.claims); suite and
+    test are filled in by the test process."""
+    from harness.report.claims import check
+
     _buffer.append({"metric": metric, "value": float(value), "tolerance": tolerance,
-                    "passed": bool(passed), "layout": layout, **fields})
+                    "passed": bool(passed), "claim": check(claim), "layout": layout, **fields})
 
 
 def extend(rows: list[dict[str, Any]]) -> None:

@@ -1,4 +1,5 @@
-"""Compare two runs row by row: what regressed, what improved, what appeared, what vanished.
+"""Compare two runs row by row, each row by what it claims: what regressed, what moved, what
+appeared, what vanished.
 
 Rows are joined on ROW KEY = (suite, test, layout, model, dtype, device, metric, variant, packing,
 occurrence):
@@ -8,17 +9,23 @@ occurrence):
   - `occurrence` (1, 2, ...) numbers rows whose other fields are all equal, in recording order,
     so a test that records a metric twice is compared pairwise instead of silently collapsed.
 
-Each joined pair is judged by the metric's rule (rules.py): a REGRESSION when the current value is
-worse than the baseline by more than the rule allows in the rule's bad direction ("equal" metrics:
-any change beyond the allowance), or when the row's `passed` went True -> False, or (test level)
-when a test that passed in the baseline failed, errored or did not finish. IMPROVEMENTS are the
-mirror image (and passed False -> True). A value worse beyond the allowance under a rule that does
-not gate (wall times: they depend on the machine) is listed as UNGATED, not as a regression.
-Rows only in the current run are NEW, rows only in the baseline are MISSING: both are listed in
-full and never dropped; they do not by themselves count as a regression (a subset run, a new test,
-a skipped one are legitimate), but a test that crashed shows as a test regression. GENERATED rows
-(extra.generated: recorded by a hypothesis test, whose examples differ from run to run) are never
-paired: they are always new or missing.
+Each joined pair is judged by its CLAIM (harness.report.claims), never by how far its value moved:
+another machine rounds differently, and a baseline is made on one machine and compared on others.
+  - exact, bounded, control (gating): a REGRESSION when the row passed its own bound in the
+    baseline and does not now (an exact claim broke, a figure is past its bound, a control's
+    margin fell below SENSITIVITY_MARGIN), when the bound itself was loosened, or when the row's
+    claim was weakened (exact -> bounded, gating -> not). A value that moved inside its bound is
+    counted as MOVED, never a regression.
+  - timing, observed: never gating; a changed value is listed as NOT GATING (wall times that moved
+    by more than TIMING_NOISE, observations that changed at all).
+IMPROVEMENTS: failed -> passed, a bound tightened. At test level, a test that passed in the
+baseline and failed, errored or did not finish is a regression. Rows only in the current run are
+NEW, rows only in the baseline are MISSING: both are listed in full and never dropped; they do not
+by themselves count as a regression (a subset run, a new test, a skipped one are legitimate).
+GENERATED rows (extra.generated: recorded by a hypothesis test, whose examples differ from run to
+run) are never paired: they are always new or missing. When the two runs' fingerprints differ in
+what changes arithmetic (CPU model, ISA flags, the CPU kernel pin, threads, library versions, GPU),
+the compare says so first: values may move, claims may not.
 """
 from __future__ import annotations
 
@@ -30,10 +37,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.report.rows import atomic_write
+from harness.report import claims
 from harness.report.blocks import Table, blocks_to_markdown, fmt_value
+from harness.report.fingerprint import ARITHMETIC_KEYS
 from harness.report.results import FAILING_OUTCOMES, load_run, normalise_run
+from harness.report.rows import atomic_write
 from harness.report.rules import Rule, rule_for
+
+TIMING_NOISE = 0.25  # a wall time listed as moved beyond this relative change (shared machines: ~10-20%)
 
 KEY_FIELDS = ("suite", "test", "layout", "model", "dtype", "device", "metric")
 EXTRA_KEY_FIELDS = ("variant", "packing")
@@ -65,7 +76,7 @@ class Change:
     key: Key
     baseline: dict[str, Any]
     current: dict[str, Any]
-    rule: Rule
+    claim: str
     delta: float
     reasons: list[str]
 
@@ -89,6 +100,8 @@ class CompareResult:
     new: list[dict[str, Any]] = field(default_factory=list)
     missing: list[dict[str, Any]] = field(default_factory=list)
     unchanged: int = 0
+    moved: int = 0  # gating rows whose value moved inside their bound
+    fingerprint_changes: list[tuple[str, Any, Any]] = field(default_factory=list)
 
     @property
     def regressed(self) -> bool:
@@ -98,8 +111,9 @@ class CompareResult:
         verdict = "REGRESSED" if self.regressed else "no regression"
         return (f"**{verdict}**: {len(self.regressions)} rows regressed, {len(self.tests_regressed)} "
                 f"tests stopped passing, {len(self.improvements)} rows improved, {len(self.ungated)} "
-                f"worse but not gating, {self.unchanged} unchanged, {len(self.new)} new rows (only "
-                f"in current), {len(self.missing)} missing rows (only in baseline).")
+                f"moved but not gating (timings, observations), {self.moved} moved within their bounds, "
+                f"{self.unchanged} unchanged, {len(self.new)} new rows (only in current), "
+                f"{len(self.missing)} missing rows (only in baseline).")
 
     def to_markdown(self, max_rows: int | None = None) -> str:
         """Regressions first, then tests that stopped passing, improvements, new and missing rows.
@@ -109,9 +123,14 @@ class CompareResult:
             ("h2", "Compare runs"),
             ("p", f"Baseline `{self.baseline_source}` vs current `{self.current_source}`."),
             ("p", self.headline())]
+        if self.fingerprint_changes:
+            blocks += [("p", "The runs' fingerprints differ in what changes arithmetic: values may move "
+                             "within their bounds; what a row claims may not."),
+                       ("table", Table(["fingerprint", "baseline", "current"],
+                                       [[k, fmt_value(b), fmt_value(c)] for k, b, c in self.fingerprint_changes]))]
         sections = (("Regressions", self.regressions, _change_table),
                     ("Tests that stopped passing", self.tests_regressed, _test_table),
-                    ("Worse, not gating (machine-dependent: wall times)", self.ungated, _change_table),
+                    ("Moved, not gating (timings, observations)", self.ungated, _change_table),
                     ("Improvements", self.improvements, _change_table),
                     ("New rows (only in current)", self.new, _row_table),
                     ("Missing rows (only in baseline)", self.missing, _row_table))
@@ -128,11 +147,11 @@ class CompareResult:
 def _key_cells(row: dict[str, Any]) -> list[str]:
     extra = row.get("extra") or {}
     variant = "/".join(str(extra[k]) for k in EXTRA_KEY_FIELDS if extra.get(k) is not None)
-    return [row.get("test", ""), row.get("metric", ""), row.get("layout", ""), row.get("model", ""),
-            row.get("dtype", ""), row.get("device", ""), variant]
+    return [row.get("test", ""), row.get("metric", ""), row.get("claim", ""), row.get("layout", ""),
+            row.get("model", ""), row.get("dtype", ""), row.get("device", ""), variant]
 
 
-_KEY_COLUMNS = ["test", "metric", "layout", "model", "dtype", "device", "variant/packing"]
+_KEY_COLUMNS = ["test", "metric", "claim", "layout", "model", "dtype", "device", "variant/packing"]
 
 
 def _change_table(changes: list[Change]) -> Table:
@@ -174,34 +193,58 @@ def _stopped_passing(baseline: dict[str, Any], current: dict[str, Any]) -> bool:
     return bool(baseline.get("passed")) and not current.get("passed")
 
 
-def judge(baseline: dict[str, Any], current: dict[str, Any]) -> tuple[str, float, list[str], Rule]:
-    """("regression" | "improvement" | "same", current - baseline, reasons, rule) for one pair."""
+def _bound_kind(row: dict[str, Any], rule: Rule) -> str:
+    """"max" (value <= bound) or "min" (value >= bound): the row's own, else its metric's direction."""
+    kind = (row.get("extra") or {}).get("tolerance_kind")
+    if kind in ("max", "min"):
+        return kind
+    return "min" if rule.direction == "higher_is_better" else "max"
+
+
+def _bound_change(baseline: dict[str, Any], current: dict[str, Any], rule: Rule) -> str | None:
+    """"loosened" / "tightened" / None for the pair's bounds."""
+    b, c = _tolerance(baseline), _tolerance(current)
+    if b == c or b is None:
+        return None
+    if c is None:
+        return "loosened"
+    looser = c > b if _bound_kind(current, rule) == "max" else c < b
+    return "loosened" if looser else "tightened"
+
+
+def judge(baseline: dict[str, Any], current: dict[str, Any]) -> tuple[str, float, list[str], str]:
+    """("regression" | "improvement" | "moved" | "same", current - baseline, reasons, claim) for one
+    pair, by the current row's claim (module docstring)."""
     rule = rule_for(str(current.get("metric", "")))
+    claim, before = current.get("claim"), baseline.get("claim")
     b, c = _float(baseline.get("value")), _float(current.get("value"))
     delta = c - b if not (math.isnan(b) or math.isnan(c)) else math.nan
+    same_value = b == c or (math.isnan(b) and math.isnan(c))
     worse: list[str] = []
     better: list[str] = []
-    if _stopped_passing(baseline, current):
-        worse.append(f"passed → failed (tolerance {fmt_value(current.get('tolerance'))})")
-    elif not baseline.get("passed") and current.get("passed"):
-        better.append("failed → passed")
-    if b == c or (math.isnan(b) and math.isnan(c)):
-        pass
-    elif math.isnan(c):
-        worse.append("became NaN")
-    elif math.isnan(b):
-        (worse if rule.direction == "equal" else better).append("was NaN")
-    else:
-        allowed = rule.allowed(b, _tolerance(baseline))
-        bad = {"lower_is_better": delta, "higher_is_better": -delta}.get(rule.direction, abs(delta))
-        limit = f"allowed {fmt_value(allowed)} ({rule.kind} {rule.tolerance:g}, {rule.direction})"
-        if bad > allowed:
-            word = "changed" if rule.direction == "equal" else "worse"
-            worse.append(f"{word} by {fmt_value(abs(delta))} > {limit}")
-        elif rule.direction != "equal" and -bad > allowed:
-            better.append(f"better by {fmt_value(abs(delta))} > {limit}")
-    verdict = "regression" if worse else "improvement" if better else "same"
-    return verdict, delta, worse or better, rule
+    if claims.weakened(before, claim):
+        worse.append(f"claim weakened: {before} → {claim}")
+    if claim in claims.GATING:
+        if _stopped_passing(baseline, current):
+            what = {"control": "margin fell below its required multiple",
+                    "exact": "exact claim broke"}.get(claim, "past its own bound")
+            worse.append(f"{what}: {fmt_value(current.get('value'))} vs bound {fmt_value(current.get('tolerance'))}")
+        elif not baseline.get("passed") and current.get("passed"):
+            better.append("failed → passed")
+        change = _bound_change(baseline, current, rule)
+        if change:
+            (worse if change == "loosened" else better).append(
+                f"bound {change}: {fmt_value(baseline.get('tolerance'))} → {fmt_value(current.get('tolerance'))}")
+        verdict = "regression" if worse else "improvement" if better else "same" if same_value else "moved"
+        return verdict, delta, worse or better, claim
+    if worse:
+        return "regression", delta, worse, claim
+    moved = not same_value and (claim != "timing" or math.isnan(delta)
+                                or abs(delta) > TIMING_NOISE * max(abs(b), 1e-3))
+    if moved:
+        word = "worse" if rule.worse(b, c) else "better"
+        return "ungated", delta, [f"{claim}: {word} by {fmt_value(abs(delta))} (not gating)"], claim
+    return "same", delta, [], claim
 
 
 def _as_run(run: dict[str, Any] | str | os.PathLike, role: str) -> dict[str, Any]:
@@ -215,23 +258,22 @@ def compare_runs(baseline: dict[str, Any] | str | os.PathLike,
     """Compare two runs (loaded documents, run directories or results.json paths); see module doc."""
     base, cur = _as_run(baseline, "baseline"), _as_run(current, "current")
     result = CompareResult(base["source"], cur["source"])
+    result.fingerprint_changes = fingerprint_changes(base["meta"]["fingerprint"], cur["meta"]["fingerprint"])
     base_rows = index_rows([r for r in base["rows"] if not is_generated(r)])
     cur_rows = index_rows([r for r in cur["rows"] if not is_generated(r)])
     for key, row in cur_rows.items():
         if key not in base_rows:
             result.new.append(row)
             continue
-        verdict, delta, reasons, rule = judge(base_rows[key], row)
+        verdict, delta, reasons, claim = judge(base_rows[key], row)
         if verdict == "same":
             result.unchanged += 1
-            continue
-        change = Change(key, base_rows[key], row, rule, delta, reasons)
-        if verdict == "improvement":
-            result.improvements.append(change)
-        elif rule.gating or _stopped_passing(base_rows[key], row):
-            result.regressions.append(change)
+        elif verdict == "moved":
+            result.moved += 1
         else:
-            result.ungated.append(change)
+            change = Change(key, base_rows[key], row, claim, delta, reasons)
+            {"regression": result.regressions, "improvement": result.improvements,
+             "ungated": result.ungated}[verdict].append(change)
     result.missing = [row for key, row in base_rows.items() if key not in cur_rows]
     result.new += [r for r in cur["rows"] if is_generated(r)]
     result.missing += [r for r in base["rows"] if is_generated(r)]
@@ -244,9 +286,14 @@ def compare_runs(baseline: dict[str, Any] | str | os.PathLike,
     return result
 
 
+def fingerprint_changes(baseline: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(key, baseline, current) for each fingerprint field that changes arithmetic and differs."""
+    return [(k, baseline.get(k), current.get(k)) for k in ARITHMETIC_KEYS if baseline.get(k) != current.get(k)]
+
+
 def main_compare(argv: list[str] | None = None) -> int:
     """`compare BASELINE CURRENT [--markdown PATH]`: exit 1 on regression, 2 on unreadable input."""
-    parser = argparse.ArgumentParser(prog="mrh compare", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="mrh report compare", description=__doc__.split("\n\n")[0])
     parser.add_argument("baseline", help="baseline run directory or results.json")
     parser.add_argument("current", help="current run directory or results.json")
     parser.add_argument("--markdown", metavar="PATH", help="also write the Markdown report here")
@@ -259,7 +306,7 @@ def main_compare(argv: list[str] | None = None) -> int:
         try:
             runs[role] = load_run(getattr(args, role))
         except ValueError as e:
-            print(f"mrh compare: cannot read the {role} run: {e}", file=sys.stderr)
+            print(f"mrh report compare: cannot read the {role} run: {e}", file=sys.stderr)
             return 2
     result = compare_runs(runs["baseline"], runs["current"])
     text = result.to_markdown()

@@ -32,6 +32,13 @@ PACKAGES: dict[str, tuple[str, ...]] = {
     "transformers": ("transformers",),
 }
 _TIMEOUT_S = 3.0
+# CPU features that change floating-point results (which vectorized and GEMM kernels run), as
+# /proc/cpuinfo names them; the fingerprint records the ones the machine has.
+ARITHMETIC_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "avx_vnni",
+                    "amx_tile", "amx_bf16", "amx_int8")
+# The fields whose difference may move a figure (compare.py prints them when two runs differ).
+ARITHMETIC_KEYS = ("cpu_model", "cpu_flags", "cpu_isa", "cpu_kernels", "cpu_count", "torch_threads", "python",
+                   "torch", "megatron-core", "mbridge", "transformer-engine", "transformers", "cuda", "gpu_model")
 
 
 def environment_fingerprint(device: str | None = None) -> dict[str, Any]:
@@ -40,7 +47,10 @@ def environment_fingerprint(device: str | None = None) -> dict[str, Any]:
     Keys: python, torch, megatron-core, mbridge, transformer-engine, transformers, cuda (the CUDA
     runtime torch was built with), driver, gpus (model of every GPU nvidia-smi sees), gpu_model,
     gpu_count (GPUs this process may use), cuda_visible_devices, device, git_commit, git_dirty,
-    host, platform (git_commit and git_dirty: see git_revision).
+    host, platform (git_commit and git_dirty: see git_revision); and what the CPU arithmetic
+    depends on: cpu_model, cpu_flags (the ARITHMETIC_FLAGS the CPU has), cpu_count, cpu_isa (the
+    harness's kernel pin, harness.backends.cpu_arithmetic), cpu_kernels (the kernels torch
+    dispatches to in this process, None before torch is imported) and torch_threads.
     """
     fingerprint: dict[str, Any] = {"python": platform.python_version()}
     for key, names in PACKAGES.items():
@@ -57,8 +67,36 @@ def environment_fingerprint(device: str | None = None) -> dict[str, Any]:
         **git_revision(),
         host=_safe(socket.gethostname),
         platform=_safe(platform.platform),
+        **_cpu(),
     )
     return fingerprint
+
+
+def _cpu() -> dict[str, Any]:
+    from harness.backends import cpu_arithmetic
+
+    model, flags = _safe(_cpuinfo) or (None, None)
+    torch = sys.modules.get("torch")
+    return {"cpu_model": model, "cpu_flags": flags, "cpu_count": os.cpu_count(),
+            "cpu_isa": _safe(cpu_arithmetic.chosen),
+            "cpu_kernels": _safe(cpu_arithmetic.dispatched),
+            "torch_threads": _safe(torch.get_num_threads) if torch is not None else None}
+
+
+def _cpuinfo() -> tuple[str | None, list[str]]:
+    """(model name, the ARITHMETIC_FLAGS present) from /proc/cpuinfo (Linux)."""
+    model, flags = None, set()
+    with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name" and model is None:
+                model = value.strip()
+            elif key == "flags" and not flags:
+                flags = set(value.split())
+            if model and flags:
+                break
+    return model, [flag for flag in ARITHMETIC_FLAGS if flag in flags]
 
 
 def _safe(fn):

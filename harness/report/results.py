@@ -1,10 +1,11 @@
 """A run's results.json: the schema, loading it (with a clear error for the wrong file), and the row
 classifications every report shares.
 
-Schema of `results.json`, version 1 (SCHEMA_VERSION)::
+Schema of `results.json`, version 2 (SCHEMA_VERSION; version 1 files, whose rows had no claim,
+still load: the claim is inferred, harness.report.claims.infer_legacy)::
 
     {
-      "schema_version": 1,
+      "schema_version": 2,
       "meta": {
         "started":  "2026-11-21T20:54:12Z",      # ISO 8601
         "finished": "2026-11-21T20:57:41Z",      # null while the run is going (or was killed)
@@ -20,8 +21,9 @@ Schema of `results.json`, version 1 (SCHEMA_VERSION)::
          "message": ""}                           # failure/skip text, "" when passed
       ],
       "rows": [                                   # harness.report.rows.Row.as_dict() ...
-        {"suite", "test", "layout", "metric", "value", "tolerance", "passed", "model", "dtype",
-         "device", "units", "extra": {...},
+        {"suite", "test", "layout", "metric", "value", "tolerance", "passed",
+         "claim",                                 # harness.report.claims: exact | bounded | control | timing | observed
+         "model", "dtype", "device", "units", "extra": {...},
          "outcome": "passed"}                     # ... plus the outcome of the row's test
       ]
     }
@@ -43,13 +45,14 @@ from typing import Any, Iterable
 
 import pandas as pd
 
-from harness.report.rows import SCHEMA_VERSION
+from harness.report.claims import infer_legacy
+from harness.report.rows import READABLE_VERSIONS
 
 RESULTS = "results.json"
 OUTCOMES = ("passed", "failed", "error", "skipped", "unfinished")
 FAILING_OUTCOMES = ("failed", "error", "unfinished")
 ROW_COLUMNS = ("suite", "test", "layout", "model", "dtype", "device", "metric", "value", "tolerance",
-               "passed", "units", "outcome", "extra")
+               "passed", "claim", "units", "outcome", "extra")
 # Keys of `extra` that identify a row (compare.py keys on them too), shown as table dimensions.
 EXTRA_DIMS = ("variant", "packing")
 
@@ -82,9 +85,9 @@ def normalise_run(document: Any, source: str = "<dict>") -> dict[str, Any]:
     if not isinstance(document, dict) or "rows" not in document:
         raise ValueError(f"{source}: not a harness results document (no 'rows' key)")
     version = document.get("schema_version")
-    if version != SCHEMA_VERSION:
+    if version not in READABLE_VERSIONS:
         raise ValueError(f"{source}: schema_version {version!r} is unknown; this code reads "
-                         f"schema_version {SCHEMA_VERSION}")
+                         f"schema_version {' and '.join(map(str, READABLE_VERSIONS))}")
     meta = dict(document.get("meta") or {})
     meta.setdefault("started", None)
     meta.setdefault("finished", None)
@@ -100,6 +103,8 @@ def normalise_run(document: Any, source: str = "<dict>") -> dict[str, Any]:
         row.setdefault("outcome", outcome_of.get(row.get("test")))
         for key in ("layout", "model", "dtype", "device", "units"):
             row[key] = row.get(key) or ""
+        if not row.get("claim"):
+            row["claim"] = infer_legacy(row)
         rows.append(row)
     return {"schema_version": version, "meta": meta, "tests": tests, "rows": rows,
             "source": source}

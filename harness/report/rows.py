@@ -7,12 +7,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1  # of results.json; its layout is documented in harness.report.results
+SCHEMA_VERSION = 2  # of results.json; its layout is documented in harness.report.results
+READABLE_VERSIONS = (1, 2)  # 1: rows without a claim (inferred on read: claims.infer_legacy)
 
 
 @dataclass
 class Row:
-    """One comparison: (suite, test, layout, metric, value, tolerance, passed) plus where it ran."""
+    """One comparison: (suite, test, layout, metric, value, tolerance, passed), the kind of claim it
+    makes (harness.report.claims: exact, bounded, control, timing, observed), and where it ran."""
 
     suite: str
     test: str
@@ -21,11 +23,17 @@ class Row:
     value: float
     tolerance: float | None
     passed: bool
+    claim: str
     model: str = ""
     dtype: str = ""
     device: str = ""
     units: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from harness.report.claims import check
+
+        check(self.claim)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -144,7 +144,7 @@ def trend(run_dirs: list[Path], out_dir: Path) -> Path:
 
 def main_trend(argv: list[str] | None = None) -> int:
     """`trend RUN_DIR... [--out DIR]`: 0 on success, 2 when a run cannot be read."""
-    parser = argparse.ArgumentParser(prog="mrh trend", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="mrh report trend", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (or results.json)")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help=f"output directory (default {DEFAULT_OUT})")
     try:
@@ -154,7 +154,7 @@ def main_trend(argv: list[str] | None = None) -> int:
     try:
         index = trend([Path(r) for r in args.runs], Path(args.out))
     except ValueError as e:
-        print(f"mrh trend: {e}", file=sys.stderr)
+        print(f"mrh report trend: {e}", file=sys.stderr)
         return 2
     print(index)
     return 0

@@ -87,7 +87,7 @@ class InvarianceResult:
             else:
                 extra["tensor"] = self.worst_tensor
             rows.append(Row(suite="", test="", layout=self.layout, metric=check.metric, value=check.value,
-                            tolerance=check.tolerance.limit, passed=check.passed, model=model,
+                            tolerance=check.tolerance.limit, passed=check.passed, claim=check.claim, model=model,
                             dtype=self.dtype, device=self.device, extra=extra))
         return rows
 

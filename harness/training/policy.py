@@ -450,6 +450,10 @@ class PolicyWorker:
         harness.checkpoint.async_save.RankSaver.finalize."""
         return self.saver.finalize(blocking)
 
+    def checkpoint_writes_done(self, iteration: int) -> bool:
+        """This rank's writer of the pending save of `iteration` has exited (RankSaver.writes_done)."""
+        return self.saver.writes_done(iteration)
+
     def abort_checkpoints(self) -> list[int]:
         """Kill this rank's in-flight checkpoint writers; returns their pids."""
         return self.saver.abort()

@@ -99,12 +99,15 @@ class Repro:
         ok = self.buggy.separation >= SENSITIVITY_MARGIN
         worst = self.buggy.worst
         return Row(suite="", test="", layout=self.layout, metric="separation", value=self.buggy.separation,
-                   tolerance=SENSITIVITY_MARGIN, passed=ok, dtype=self.dtype, device=self.device,
+                   tolerance=SENSITIVITY_MARGIN, passed=ok, claim="control", dtype=self.dtype, device=self.device,
                    extra={"variant": self.variant.id, "worst_metric": worst.metric if worst else None,
                           "tolerance_kind": "min", "fix_holds": self.fix_holds})
 
     def rows(self) -> list[Row]:
-        return self.buggy.rows + self.fixed.rows + [self.separation_row()]
+        """The variant's figures (observed: its claim is the separation row's, a control), the fixed
+        path's (their own claims: it must pass), and the separation."""
+        buggy = [dataclasses.replace(row, claim="observed") for row in self.buggy.rows]
+        return buggy + self.fixed.rows + [self.separation_row()]
 
 
 # ----------------------------------------------------------------------------------- the checks

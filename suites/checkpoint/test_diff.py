@@ -34,7 +34,7 @@ def test_identical_state_is_equal_and_gives_one_passing_summary_row():
     result = diff_state(a, {k: v.clone() for k, v in a.items()}, {"position": {"steps_done": 3}},
                         {"position": {"steps_done": 3}})
     assert result.ok and result.equal == 3, result.summary()  # NaN and inf in the same places are equal
-    assert result.to_rows() == [{"metric": "tensors_mismatched", "value": 0.0, "tolerance": 0.0, "passed": True,
+    assert result.to_rows() == [{"metric": "tensors_mismatched", "value": 0.0, "tolerance": 0.0, "passed": True, "claim": "exact",
                                  "n_equal": 3, "n_mismatched": 0, "n_missing": 0, "n_extra": 0, "n_common": 0}]
 
 

@@ -218,7 +218,7 @@ def test_a_rotating_save_follows_the_durability_order(policy, device, tmp_path, 
     assert ckpt.history[-1].deleted == [1] and ckpt.root.iterations() == [2] == ckpt.root.complete()
     assert ckpt.root.tracker() == 2 and ckpt.root.hidden() == []
     violations = protocol_violations(calls, ckpt.root.path, iteration, old)
-    report.add("durability_violations", len(violations), tolerance=0, passed=not violations,
+    report.add("durability_violations", len(violations), tolerance=0, passed=not violations, claim="exact",
                layout=layout, variant="", async_save=async_save)
     assert violations == [], "\n".join(violations)
     assert len([c for c in calls if c.op == "fsync"]) > len(list(ckpt.root.directory(2).rglob("*")))
@@ -249,7 +249,7 @@ def test_a_rotating_save_follows_the_durability_order(policy, device, tmp_path, 
     for variant, named in BUGGY.items():
         calls, iteration, old, ckpt = _rotating_save(handle, tmp_path / variant, async_save, variant)
         violations = protocol_violations(calls, ckpt.root.path, iteration, old)
-        report.add("durability_violations", len(violations), tolerance=0, passed=not violations,
+        report.add("durability_violations", len(violations), tolerance=0, passed=not violations, claim="exact",
                    layout=layout, variant=variant, async_save=async_save)
         assert violations, f"{variant}: the checker saw nothing wrong in {[str(c) for c in calls]}"
         assert any(named in v for v in violations), f"{variant}: {violations}"

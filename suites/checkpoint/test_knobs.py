@@ -40,7 +40,7 @@ def test_every_save_combination_writes_the_same_checkpoint_and_resumes_the_same(
     for index, (knobs, directory) in enumerate(roots):
         diff = diff_checkpoints(reference, directory)
         report.add("tensors_differing", len(diff.mismatched) + len(diff.missing) + len(diff.extra), tolerance=0,
-                   passed=diff.ok, layout=layout, knobs=knobs.describe())
+                   passed=diff.ok, claim="exact", layout=layout, knobs=knobs.describe())
         assert diff.ok and diff.equal > 0, f"{knobs.describe()}: {diff.summary()}"
         target = policy(layout, MODEL, **POLICY)
         load_knobs = knobs.replace(fully_parallel_load=bool(index % 2))
@@ -50,7 +50,7 @@ def test_every_save_combination_writes_the_same_checkpoint_and_resumes_the_same(
         worst = max((t.float() - next_state[n].float()).abs().max().item() for n, t in target.hf_state_dict().items())
         for key in ("loss", "grad_norm"):
             assert got[key] == next_step[key], f"{load_knobs.describe()}: next {key} {got[key]!r} vs {next_step[key]!r}"
-        report.add("param_max_abs_diff", worst, tolerance=0.0, passed=worst == 0.0, layout=layout,
+        report.add("param_max_abs_diff", worst, tolerance=0.0, passed=worst == 0.0, claim="exact", layout=layout,
                    knobs=load_knobs.describe())
         assert worst == 0.0, load_knobs.describe()
         target.close()

@@ -39,14 +39,14 @@ def test_resume_at_another_layout_continues_exactly(policy, device, source, targ
     result = resume_and_compare(policy, src, target, after_load=resave_and_diff)
     pair = result.pair
     info = result.load
-    report.add("save_s", src.manifest.save_s, tolerance=None, passed=True, layout=pair, units="s")
-    report.add("load_s", info["load_s"], tolerance=None, passed=True, layout=pair, units="s")
+    report.add("save_s", src.manifest.save_s, tolerance=None, passed=True, claim="timing", layout=pair, units="s")
+    report.add("load_s", info["load_s"], tolerance=None, passed=True, claim="timing", layout=pair, units="s")
     assert (info["steps_done"], info["consumed_samples"]) == (K_STEPS, K_STEPS * 8)
     assert not info["rng_restored"]  # per-rank RNG states do not map onto another layout
     (diff,) = diffs
     worst = max((m["max_abs"] or float("inf") for m in diff.mismatched.values()), default=0.0)
     report.add("tensors_differing", len(diff.mismatched) + len(diff.missing) + len(diff.extra),
-               tolerance=0, passed=diff.ok, layout=pair, max_abs=worst)
+               tolerance=0, passed=diff.ok, claim="exact", layout=pair, max_abs=worst)
     assert diff.ok, diff.summary()
     assert diff.equal > 0
     # (b) the next step at the target is the step the source took without stopping.
@@ -135,10 +135,10 @@ def test_dp_reshardable_optimizer_at_another_tp_pp_fails_inside_megatron_and_dam
     changed = sorted(n for n in before if not torch.equal(before[n], after[n]))
     zeroed = sorted(n for n in changed if not after[n].any())
     worst = max(((before[n] - after[n]).abs().max().item() for n in changed), default=0.0)
-    report.add("tensors_changed_by_failed_load", len(changed), tolerance=0, passed=not changed,
+    report.add("tensors_changed_by_failed_load", len(changed), tolerance=0, passed=not changed, claim="observed",
                layout="tp2->pp2", variant="dp-reshardable", zeroed=zeroed, max_abs=worst)
     report.add("distinct_adam_steps_after_failed_load", min(steps_after), tolerance=min(steps_before),
-               passed=steps_after == steps_before, layout="tp2->pp2", variant="dp-reshardable")
+               passed=steps_after == steps_before, claim="observed", layout="tp2->pp2", variant="dp-reshardable")
     assert changed and zeroed == changed == ["lm_head.weight", "model.embed_tokens.weight"], changed
     assert min(steps_before) > 1 and steps_after == [1, 1], (steps_before, steps_after)
     assert target.position()["steps_done"] == 1  # the data position was not reached

@@ -26,7 +26,7 @@ def test_a_world_spread_over_two_nodes_passes_parity_and_resumes(tmp_path, repor
     assert len(set(found["rank_nodes"])) == 2, found["rank_nodes"]  # one rank per node
     for part in ("parity", "resume"):
         for row in found[part]["rows"]:
-            report.add(row["metric"], row["value"], tolerance=row["tolerance"], passed=row["passed"],
+            report.add(row["metric"], row["value"], tolerance=row["tolerance"], passed=row["passed"], claim=row["claim"],
                        layout=row["layout"], model=row["model"], dtype=row["dtype"], device=row["device"],
                        launcher="ray", nodes=2, **{k: v for k, v in (row.get("extra") or {}).items()
                                                    if k not in ("launcher", "nodes")})

@@ -24,21 +24,22 @@ from harness.report import record_row
 VALUES = json.load(open("values.json"))
 
 def test_parity(report):
-    report.add("max_abs", VALUES["max_abs"], tolerance=1e-5, passed=VALUES["max_abs"] <= 1e-5, dtype="fp32")
-    report.add("save_s", VALUES["save_s"], tolerance=None, passed=True, units="s")
+    report.add("max_abs", VALUES["max_abs"], tolerance=1e-5, passed=VALUES["max_abs"] <= 1e-5, claim="bounded",
+               dtype="fp32")
+    report.add("save_s", VALUES["save_s"], tolerance=None, passed=True, claim="timing", units="s")
 
 @pytest.mark.skipif(VALUES.get("skip_other", False), reason="not in this run")
 def test_other(report):
-    report.add("mean_abs", 5e-7, tolerance=2e-6, passed=True, dtype="fp32")
+    report.add("mean_abs", 5e-7, tolerance=2e-6, passed=True, claim="bounded", dtype="fp32")
 
 @pytest.mark.skipif(not VALUES.get("extra_test", False), reason="a test added later")
 def test_extra(report):
-    report.add("mean_abs", 4e-7, tolerance=2e-6, passed=True, dtype="fp32")
+    report.add("mean_abs", 4e-7, tolerance=2e-6, passed=True, claim="bounded", dtype="fp32")
 
 @settings(max_examples=3, deadline=None, database=None)
 @given(x=st.floats(0, 5e-6))
 def test_generated(x):
-    record_row("max_abs", x, tolerance=1e-5, passed=True, dtype="fp32")
+    record_row("max_abs", x, tolerance=1e-5, passed=True, claim="bounded", dtype="fp32")
 """
 BASE = {"max_abs": 2e-6, "save_s": 0.5}
 
@@ -94,7 +95,7 @@ def test_make_compare_fails_on_a_regression_only(project):
     _test(project, save_s=1.5, extra_test=True, skip_other=True)
     code, markdown = _compare(project)
     assert code == 0 and "**no regression**" in markdown
-    assert "### Worse, not gating (machine-dependent: wall times) (1)" in markdown
+    assert "### Moved, not gating (timings, observations) (1)" in markdown
     assert "test_extra" in markdown.split("### New rows")[1] and "test_other" in markdown.split("### Missing rows")[1]
 
     # A real regression: max |Δ| 10x and over its bound (the test records it without failing).
@@ -102,7 +103,7 @@ def test_make_compare_fails_on_a_regression_only(project):
     code, markdown = _compare(project)
     assert code == 1 and "**REGRESSED**: 1 rows regressed" in markdown
     line = next(l for l in markdown.splitlines() if "test_parity" in l and "max_abs" in l)
-    assert "passed → failed" in line and "| 2e-06 | 2e-05 |" in line
+    assert "past its own bound" in line and "| 2e-06 | 2e-05 |" in line
 
 
 def test_run_dir_refuses_a_directory_that_is_not_a_run(pytester):

@@ -1,17 +1,25 @@
-"""Tests for harness.report.compare and harness.report.rules: regressions by rule and direction,
-passed flips, new/missing rows, duplicate keys, and the CLI's exit codes."""
+"""Tests for harness.report.compare: each row judged by its claim (harness.report.claims), never by
+how far its value moved: a run whose figures move inside their bounds (another machine) compares
+clean; a row past its bound, a broken exact claim, a control below its margin, a loosened bound and
+a weakened claim are regressions; timings and observations never gate. Also new/missing rows,
+duplicate keys, legacy (schema 1) runs, fingerprints, and the CLI's exit codes."""
 from __future__ import annotations
 
 import copy
+import json
 import math
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from harness.report.claims import CLAIMS, ClaimError, infer_legacy
 from harness.report.compare import compare_runs, main_compare, row_key
 from harness.report.rules import RULES, rule_for
+from harness.tolerance import SENSITIVITY_MARGIN
 from suites.report.runs import make_run, nodeid, parity_rows, row, write_run
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -25,6 +33,10 @@ def find(run: dict[str, Any], metric: str, layout: str = "tp2", model: str = "ti
                 == (metric, layout, model, dtype))
 
 
+def _exit(tmp_path: Path, base: dict[str, Any], current: dict[str, Any]) -> int:
+    return main_compare([str(write_run(tmp_path / "a", base)), str(write_run(tmp_path / "b", current))])
+
+
 def test_identical_runs_pass(tmp_path: Path, baseline: dict[str, Any], capsys) -> None:
     result = compare_runs(baseline, copy.deepcopy(baseline))
     assert not result.regressed and result.unchanged == len(baseline["rows"])
@@ -34,77 +46,175 @@ def test_identical_runs_pass(tmp_path: Path, baseline: dict[str, Any], capsys) -
     assert "**no regression**" in capsys.readouterr().out
 
 
-def test_max_abs_times_ten_is_a_named_regression(tmp_path: Path, baseline: dict[str, Any], capsys) -> None:
+# ------------------------------------------------------------------ the four claims of issue 23
+def test_every_figure_moving_within_its_own_bound_compares_clean(tmp_path: Path, baseline, capsys) -> None:
+    """Another machine's run: each bounded value moves (fp32 1.9e-6 -> 9.9e-6 under 1e-5: 5x, once
+    a regression by value) but stays inside its bound."""
+    other_machine = copy.deepcopy(baseline)
+    for r in other_machine["rows"]:
+        if r["metric"] == "top1_agreement":  # a "min" bound: one token in 200 flips
+            r["value"] = max(r["tolerance"], r["value"] - 0.005)
+        else:  # 99% of the way from a perfect match to the bound
+            ideal = 1.0 if r["metric"] == "token_mult_prob_error" else 0.0
+            r["value"] = ideal + 0.99 * (r["tolerance"] - ideal)
+    result = compare_runs(baseline, other_machine)
+    assert not result.regressed and result.moved > 0 and not result.ungated
+    assert _exit(tmp_path, baseline, other_machine) == 0
+    assert f"{result.moved} moved within their bounds" in capsys.readouterr().out
+
+
+def test_a_row_past_its_bound_exits_1(tmp_path: Path, baseline, capsys) -> None:
     current = copy.deepcopy(baseline)
-    find(current, "max_abs")["value"] *= 10  # 1.9e-6 -> 1.9e-5: still "passed" as recorded
+    past = find(current, "max_abs")
+    past.update(value=1.9e-5, passed=False)  # the test recorded it failing its 1e-5 bound
     result = compare_runs(baseline, current)
-    assert result.regressed and len(result.regressions) == 1
-    change = result.regressions[0]
-    assert change.current["test"] == nodeid("test_megatron_logprobs_match_hf", "cpu-tp2-tiny-qwen3-fp32")
-    assert change.delta == pytest.approx(1.9e-5 - 1.9e-6)
-    assert "worse by" in change.reasons[0] and "lower_is_better" in change.reasons[0]
-    md_path = tmp_path / "out" / "compare.md"
-    code = main_compare([str(write_run(tmp_path / "a", baseline)), str(write_run(tmp_path / "b", current)),
-                         "--markdown", str(md_path)])
-    assert code == 1
+    assert [c.current for c in result.regressions] == [past]
+    assert result.regressions[0].reasons == ["past its own bound: 1.9e-05 vs bound 1e-05"]
+    assert _exit(tmp_path, baseline, current) == 1
     out = capsys.readouterr().out
     assert "**REGRESSED**: 1 rows regressed" in out
-    regression_line = next(l for l in out.splitlines() if "cpu-tp2-tiny-qwen3-fp32" in l)
-    assert "| max_abs | tp2 | tiny-qwen3 | fp32 | cpu |" in regression_line
-    assert "| 1.9e-06 | 1.9e-05 |" in regression_line
-    assert out == md_path.read_text() + "\n"  # the file holds exactly what was printed
+    line = next(l for l in out.splitlines() if "cpu-tp2-tiny-qwen3-fp32" in l)
+    assert "| max_abs | bounded | tp2 | tiny-qwen3 | fp32 | cpu |" in line
 
 
-def test_regressions_come_first_in_markdown(baseline: dict[str, Any]) -> None:
+def test_an_exact_claim_that_breaks_exits_1(tmp_path: Path) -> None:
+    test = nodeid("test_offload_round_trip", "cpu-dp2")
+    base = make_run([row(test, "freed_minus_theory_bytes", 0.0, tolerance=0, units="bytes")])
+    broke = copy.deepcopy(base)
+    broke["rows"][0].update(value=512.0, passed=False)
+    result = compare_runs(base, broke)
+    assert base["rows"][0]["claim"] == "exact"
+    assert result.regressions[0].reasons == ["exact claim broke: 512 vs bound 0"]
+    assert _exit(tmp_path, base, broke) == 1
+
+
+def test_a_control_whose_margin_drops_below_3x_exits_1(tmp_path: Path) -> None:
+    test = nodeid("test_variant_is_caught", "cpu-scaled-norm-tp2-bf16")
+    variant_rows = [row(test, "max_abs", 0.05, tolerance=1e-5, passed=False, claim="observed",
+                        dtype="bf16", extra={"variant": "scaled-norm"}),
+                    row(test, "separation", 5000.0, tolerance=SENSITIVITY_MARGIN, claim="control",
+                        dtype="bf16", extra={"variant": "scaled-norm", "tolerance_kind": "min"})]
+    base = make_run(variant_rows)
+    drifted = copy.deepcopy(base)  # another machine rounds the wrong model otherwise: still caught
+    drifted["rows"][0]["value"] = 0.057
+    drifted["rows"][1]["value"] = 5700.0 * 0.3
+    assert not compare_runs(base, drifted).regressed
+    weak = copy.deepcopy(base)
+    weak["rows"][0]["value"] = 2.5e-5
+    weak["rows"][1].update(value=2.5, passed=False)  # no longer 3x past the bound
+    result = compare_runs(base, weak)
+    assert [c.current["metric"] for c in result.regressions] == ["separation"]
+    assert result.regressions[0].reasons[0].startswith("margin fell below its required multiple: 2.5 vs bound 3")
+    assert _exit(tmp_path, base, weak) == 1
+
+
+def test_the_issue_23_false_regressions_compare_clean() -> None:
+    """What `make compare` flagged on untouched code on another CPU: RL loop grad norms 1e-5 apart
+    (observations) and bf16 negative controls' token_mult_prob_error moved (a variant's figures)."""
+    loop = nodeid("test_the_reward_goes_up", "cpu-dp2")
+    control = nodeid("test_variant_is_caught", "cpu-unmasked-padding-tp2-bf16")
+    base = make_run([row(loop, "grad_norm", 4.946338516997, tolerance=None, claim="observed", extra={"iteration": 6}),
+                     row(control, "token_mult_prob_error", 1.46, tolerance=1.0 + 1e-5, passed=False,
+                         claim="observed", dtype="bf16"),
+                     row(control, "separation", 4.6e4, tolerance=3.0, claim="control", dtype="bf16")])
+    other = copy.deepcopy(base)
+    other["rows"][0]["value"] = 4.946401177930992
+    other["rows"][1]["value"] = 1.46122
+    result = compare_runs(base, other)
+    assert not result.regressed
+    assert sorted(c.current["metric"] for c in result.ungated) == ["grad_norm", "token_mult_prob_error"]
+
+
+# ------------------------------------------------------------------ bounds and claims themselves
+def test_a_loosened_bound_or_a_weakened_claim_is_a_regression(baseline) -> None:
+    looser = copy.deepcopy(baseline)
+    find(looser, "max_abs")["tolerance"] = 1e-4
+    find(looser, "top1_agreement")["tolerance"] = 0.5  # a "min" bound loosens downwards
+    result = compare_runs(baseline, looser)
+    assert sorted(c.current["metric"] for c in result.regressions) == ["max_abs", "top1_agreement"]
+    assert result.regressions[0].reasons[0].startswith("bound loosened")
+    tighter = compare_runs(looser, baseline)
+    assert not tighter.regressed and len(tighter.improvements) == 2
+    weaker = copy.deepcopy(baseline)
+    find(weaker, "max_abs")["claim"] = "observed"
+    assert compare_runs(baseline, weaker).regressions[0].reasons == ["claim weakened: bounded → observed"]
+
+
+def test_passed_false_to_true_is_an_improvement(baseline) -> None:
     current = copy.deepcopy(baseline)
-    find(current, "max_abs")["value"] *= 10
-    find(current, "top1_agreement", dtype="bf16")["value"] = 1.0  # no change (already 1.0)
-    find(current, "mean_abs", layout="pp2")["value"] = 0.0  # improvement below the floor? 5e-7 -> 0
-    find(current, "kl_k3", layout="pp2")["value"] = 1e-9  # 2e-13 -> 1e-9: regression past the floor
-    current["rows"].pop()  # missing
-    current["rows"].append(row(nodeid("test_new", "cpu"), "max_abs", 1e-6))  # new
-    text = compare_runs(baseline, current).to_markdown()
-    order = [text.index(h) for h in ("### Regressions (2)", "### New rows (only in current) (1)",
-                                     "### Missing rows (only in baseline) (1)")]
-    assert order == sorted(order)
-    assert "Improvements" not in text  # 5e-7 -> 0 is within mean_abs's floor (1e-6)
-
-
-def test_noise_below_the_floor_is_not_flagged(baseline: dict[str, Any]) -> None:
-    current = copy.deepcopy(baseline)
-    find(current, "max_abs")["value"] = 3.8e-6  # one fp32 ulp more: "2x worse", but noise
-    find(current, "mean_abs")["value"] = 9e-7
-    result = compare_runs(baseline, current)
-    assert not result.regressed and not result.improvements
-
-
-def test_passed_true_to_false_is_a_regression(baseline: dict[str, Any]) -> None:
-    current = copy.deepcopy(baseline)
-    flipped = find(current, "top1_agreement")
-    flipped["passed"] = False  # same value, but e.g. the tolerance was tightened
-    result = compare_runs(baseline, current)
-    assert result.regressed and [c.current for c in result.regressions] == [flipped]
-    assert result.regressions[0].reasons == ["passed → failed (tolerance 0.99)"]  # fp32 top-1 bound
-    back = compare_runs(current, baseline)  # and the reverse is an improvement
+    find(current, "top1_agreement")["passed"] = False
+    back = compare_runs(current, baseline)
     assert not back.regressed and back.improvements[0].reasons == ["failed → passed"]
 
 
-def test_direction_is_respected(baseline: dict[str, Any]) -> None:
+def test_timings_and_observations_are_listed_never_gate() -> None:
+    test = nodeid("test_resume", "cpu-tp2-to-pp2")
+    base = make_run([row(test, "save_s", 0.5, tolerance=None, units="s"),
+                     row(test, "load_s", 0.4, tolerance=None, units="s"),
+                     row(test, "reward_mean", 0.56, tolerance=None, claim="observed")])
+    slower = copy.deepcopy(base)
+    slower["rows"][0]["value"] = 1.5  # 3x: another machine, or a loaded one
+    slower["rows"][1]["value"] = 0.45  # within the noise: not even listed
+    slower["rows"][2]["value"] = 0.53
+    result = compare_runs(base, slower)
+    assert not result.regressed and [c.current["metric"] for c in result.ungated] == ["save_s", "reward_mean"]
+    assert result.ungated[0].reasons == ["timing: worse by 1 (not gating)"]
+    text = result.to_markdown()
+    assert "**no regression**" in text and "### Moved, not gating (timings, observations) (2)" in text
+
+
+def test_nan_in_a_gating_row_fails_its_bound() -> None:
+    test = nodeid("test_x", "cpu")
+    base = make_run([row(test, "kl_k3", 2e-13, tolerance=1e-10)])
+    nan = copy.deepcopy(base)
+    nan["rows"][0].update(value=math.nan, passed=False)  # NaN fails every bound (Tolerance.passes)
+    assert compare_runs(base, nan).regressed
+
+
+def test_every_row_says_its_claim() -> None:
+    from harness.report import Row
+
+    with pytest.raises(ClaimError, match="must say what it claims"):
+        Row(suite="s", test="t", layout="", metric="m", value=1.0, tolerance=None, passed=True, claim="maybe")
+    with pytest.raises(TypeError):
+        Row(suite="s", test="t", layout="", metric="m", value=1.0, tolerance=None, passed=True)  # noqa
+    assert set(CLAIMS) == {"exact", "bounded", "control", "timing", "observed"}
+
+
+# ------------------------------------------------------------------ legacy runs and fingerprints
+def test_a_schema_1_run_loads_with_inferred_claims() -> None:
+    test = nodeid("test_variant_is_caught", "cpu-x")
+    rows = [dict(row(test, m, v, tolerance=t, passed=p)) for m, v, t, p in
+            [("save_s", 0.5, None, True), ("separation", 9.0, 3.0, True), ("reward_mean", 0.5, None, True),
+             ("max_abs", 0.05, 1e-5, False), ("export_mismatched_tensors", 0.0, 0, True), ("max_abs", 1e-6, 1e-5, True)]]
+    for r in rows:
+        del r["claim"]
+    old = dict(make_run(rows), schema_version=1)
+    assert [infer_legacy(r) for r in rows] == ["timing", "control", "observed", "observed", "exact", "bounded"]
+    result = compare_runs(old, old)
+    assert not result.regressed and result.unchanged == len(rows)
+
+
+def test_the_committed_baseline_loads_and_compares_with_itself() -> None:
+    committed = REPO / "reports" / "baselines" / "cpu"
+    result = compare_runs(committed, committed)
+    assert not result.regressed and not result.fingerprint_changes and result.unchanged > 1000
+
+
+def test_fingerprints_that_change_arithmetic_are_printed(baseline) -> None:
     base = copy.deepcopy(baseline)
-    find(base, "top1_agreement")["value"] = 0.9
-    up = copy.deepcopy(base)
-    find(up, "top1_agreement")["value"] = 0.97
-    result = compare_runs(base, up)
-    assert not result.regressed and len(result.improvements) == 1
-    assert result.improvements[0].reasons[0].startswith("better by 0.07")
-    down = copy.deepcopy(base)
-    find(down, "top1_agreement")["value"] = 0.85
-    assert compare_runs(base, down).regressed
-    small = copy.deepcopy(base)
-    find(small, "top1_agreement")["value"] = 0.89  # within the 0.02 allowance
-    assert compare_runs(base, small).unchanged == len(base["rows"])
+    base["meta"]["fingerprint"].update(cpu_model="Intel Xeon", cpu_flags=["avx2", "fma"], torch_threads=2)
+    current = copy.deepcopy(baseline)
+    current["meta"]["fingerprint"].update(cpu_model="AMD EPYC", cpu_flags=["avx2", "fma", "avx512f"],
+                                          torch_threads=2, host="elsewhere")
+    result = compare_runs(base, current)
+    assert [k for k, _, _ in result.fingerprint_changes] == ["cpu_model", "cpu_flags"]  # not the host
+    text = result.to_markdown()
+    assert "fingerprints differ in what changes arithmetic" in text and "| cpu_model | Intel Xeon | AMD EPYC |" in text
+    assert not result.regressed
 
 
+# ------------------------------------------------------------------ joining and listing
 def test_new_and_missing_rows_are_listed_not_dropped(baseline: dict[str, Any]) -> None:
     current = copy.deepcopy(baseline)
     gone = current["rows"].pop(0)
@@ -122,97 +232,36 @@ def test_new_and_missing_rows_are_listed_not_dropped(baseline: dict[str, Any]) -
     assert "### New rows (only in current) (6)" in capped and "... 4 more (run `compare`" in capped
 
 
+def test_regressions_come_first_in_markdown(baseline: dict[str, Any]) -> None:
+    current = copy.deepcopy(baseline)
+    find(current, "max_abs").update(value=1.9e-5, passed=False)
+    find(current, "kl_k3", layout="pp2").update(value=1e-9, passed=False)
+    current["rows"].pop()  # missing
+    current["rows"].append(row(nodeid("test_new", "cpu"), "max_abs", 1e-6))  # new
+    text = compare_runs(baseline, current).to_markdown()
+    order = [text.index(h) for h in ("### Regressions (2)", "### New rows (only in current) (1)",
+                                     "### Missing rows (only in baseline) (1)")]
+    assert order == sorted(order)
+
+
 def test_key_includes_variant_and_duplicates_pair_in_order() -> None:
     test = nodeid("test_negative_control", "cpu")
     rows = [row(test, "max_abs", 1.0, extra={"variant": "a"}), row(test, "max_abs", 2.0, extra={"variant": "b"}),
             row(test, "max_abs", 1e-6), row(test, "max_abs", 2e-6)]  # last two: identical keys
     assert row_key(rows[0]) != row_key(rows[1]) and row_key(rows[2]) == row_key(rows[3])
-    swapped = [rows[1], rows[0], rows[2], dict(rows[3], value=2e-3)]
+    swapped = [rows[1], rows[0], rows[2], dict(rows[3], value=2e-3, passed=False)]
     result = compare_runs(make_run(rows), make_run(swapped))
     assert [c.current["value"] for c in result.regressions] == [2e-3]  # 2nd occurrence vs 2nd
     assert result.unchanged == 3 and not result.new and not result.missing
 
 
-def test_test_that_stops_passing_and_nan_are_regressions(baseline: dict[str, Any]) -> None:
+def test_a_test_that_stops_passing_is_a_regression(baseline: dict[str, Any]) -> None:
     current = copy.deepcopy(baseline)
     crashed = current["tests"][0]
     crashed.update(outcome="error", message="RuntimeError: NCCL\nError 1")
-    find(current, "kl_k3", layout="pp2")["value"] = math.nan
     result = compare_runs(baseline, current)
     assert [t.nodeid for t in result.tests_regressed] == [crashed["nodeid"]]
     assert result.tests_regressed[0].message == "RuntimeError: NCCL Error 1"
-    assert [c.reasons for c in result.regressions] == [["became NaN"]]
-
-
-def test_unreadable_input_exits_2_with_one_message(tmp_path: Path, baseline: dict[str, Any], capsys) -> None:
-    good = write_run(tmp_path / "good", baseline)
-    assert main_compare([str(tmp_path / "nope"), str(good)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("mrh compare: cannot read the baseline run:")
-    assert "no such file" in err[0]
-    future = write_run(tmp_path / "future", dict(baseline, schema_version=7))
-    assert main_compare([str(good), str(future)]) == 2
-    assert "schema_version 7 is unknown" in capsys.readouterr().err
-    assert main_compare([str(good)]) == 2  # argparse usage error
-
-
-# ----------------------------------------------------------------------------------------- rules
-def test_rule_table() -> None:
-    assert rule_for("max_abs").direction == "lower_is_better" and rule_for("max_abs").kind == "rel"
-    assert rule_for("top1_agreement").direction == "higher_is_better"
-    assert rule_for("token_mult_prob_error").kind == "abs"
-    assert rule_for("peak_bytes").metric_pattern == "*bytes*"  # not the *_s time rule
-    assert rule_for("weight_sync_blocking_s_p50").metric_pattern == "*blocking_s*"
-    assert rule_for("step_s").metric_pattern == "*_s"
-    fallback = rule_for("something_new")
-    assert fallback.metric_pattern == "*" and fallback.direction == "equal"
-    assert RULES[-1] is fallback and all(r.why for r in RULES)
-    assert rule_for("max_abs").allowed(1e-9) == rule_for("max_abs").floor  # floor wins near 0
-    assert rule_for("step_s").allowed(10.0) == pytest.approx(2.5)
-
-
-def test_equal_metrics_flag_any_change() -> None:
-    base = make_run([row(nodeid("t", "cpu"), "num_layers", 4.0)])
-    changed = make_run([row(nodeid("t", "cpu"), "num_layers", 5.0)])
-    result = compare_runs(base, changed)
-    assert result.regressed and result.regressions[0].reasons[0].startswith("changed by 1")
-    assert not compare_runs(changed, base).improvements  # "equal" has no better direction
-
-
-# ------------------------------------------------------------- another machine, same code (CI)
-def test_another_machines_rounding_is_not_a_regression(baseline: dict[str, Any]) -> None:
-    """bf16 values move with the machine's kernels: a quarter of a row's room to its own bound is
-    allowed; an fp32 value near its bound gets no such room."""
-    base = copy.deepcopy(baseline)
-    find(base, "max_abs", dtype="bf16")["value"] = 0.05  # bound 0.2: room 0.15, allowed 0.0375
-    find(base, "top1_agreement", dtype="bf16")["value"] = 0.96  # bound 0.9: room 0.06
-    find(base, "max_abs")["value"] = 9e-6  # fp32 bound 1e-5: room 1e-6 adds nothing; rel 0.5 decides
-    other_cpu = copy.deepcopy(base)
-    find(other_cpu, "max_abs", dtype="bf16")["value"] = 0.085  # past rel 0.5 (0.025), within the room
-    find(other_cpu, "top1_agreement", dtype="bf16")["value"] = 0.945
-    find(other_cpu, "max_abs")["value"] = 9.9e-6
-    result = compare_runs(base, other_cpu)
-    assert not result.regressed and result.unchanged == len(base["rows"])
-    worse = copy.deepcopy(base)
-    find(worse, "max_abs", dtype="bf16")["value"] = 0.15
-    find(worse, "top1_agreement", dtype="bf16")["value"] = 0.93  # past 0.02 and a quarter of 0.06
-    find(worse, "max_abs")["value"] = 1.4e-5  # 5e-6 worse > 4.5e-6 allowed
-    assert sorted((c.current["metric"], c.current["dtype"]) for c in compare_runs(base, worse).regressions) == [
-        ("max_abs", "bf16"), ("max_abs", "fp32"), ("top1_agreement", "bf16")]
-
-
-def test_wall_times_are_listed_but_never_gate() -> None:
-    test = nodeid("test_resume", "cpu-tp2-to-pp2")
-    base = make_run([row(test, "save_s", 0.5, tolerance=None, units="s"),
-                     row(test, "load_s", 0.4, tolerance=None, units="s")])
-    slower = copy.deepcopy(base)
-    slower["rows"][0]["value"] = 1.5  # 3x: another machine, or a loaded one
-    result = compare_runs(base, slower)
-    assert not result.regressed and [c.current["metric"] for c in result.ungated] == ["save_s"]
-    text = result.to_markdown()
-    assert "**no regression**" in text and "### Worse, not gating (machine-dependent: wall times) (1)" in text
-    slower["rows"][1]["passed"] = False  # a timing the test itself bounded and missed still gates
-    assert [c.current["metric"] for c in compare_runs(base, slower).regressions] == ["load_s"]
 
 
 def test_generated_rows_are_listed_never_paired() -> None:
@@ -224,35 +273,30 @@ def test_generated_rows_are_listed_never_paired() -> None:
     result = compare_runs(base, current)
     assert not result.regressed and result.unchanged == 1
     assert [r["value"] for r in result.new] == [9e-6, 3e-7, 1e-6] and [r["value"] for r in result.missing] == [1e-7, 2e-6]
-    old_baseline = make_run([fixed] + [row(test, "max_abs", 1e-7)])  # recorded before rows were marked
-    assert compare_runs(old_baseline, current).missing[0]["value"] == 1e-7
 
 
-def test_training_and_checkpoint_metrics_tolerate_noise_not_bugs() -> None:
-    test = nodeid("test_policy_matches_ground_truth", "cpu-tp2-fp32")
-    base = make_run([row(test, "loss_rel_diff", 1e-7), row(test, "grad_norm_rel_diff", 1.3e-6),
-                     row(test, "param_max_abs_diff", 3e-6), row(test, "tensors_differing", 0.0, tolerance=0)])
-    noise = copy.deepcopy(base)
-    for r, v in zip(noise["rows"], (9e-7, 2e-6, 4.5e-6, 0.0)):
-        r["value"] = v
-    assert not compare_runs(base, noise).regressed
-    bug = copy.deepcopy(base)
-    for r, v in zip(bug["rows"], (3e-6, 2e-5, 9e-6, 1.0)):
-        r["value"] = v
-    assert [c.current["metric"] for c in compare_runs(base, bug).regressions] == [
-        "loss_rel_diff", "grad_norm_rel_diff", "param_max_abs_diff", "tensors_differing"]
+def test_unreadable_input_exits_2_with_one_message(tmp_path: Path, baseline: dict[str, Any], capsys) -> None:
+    good = write_run(tmp_path / "good", baseline)
+    assert main_compare([str(tmp_path / "nope"), str(good)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mrh report compare: cannot read the baseline run:")
+    assert "no such file" in err[0]
+    future = write_run(tmp_path / "future", dict(baseline, schema_version=7))
+    assert main_compare([str(good), str(future)]) == 2
+    assert "schema_version 7 is unknown" in capsys.readouterr().err
+    assert main_compare([str(good)]) == 2  # argparse usage error
+    assert "usage: mrh report compare" in capsys.readouterr().err
 
 
-def test_rules_room_and_gating() -> None:
-    rule = rule_for("max_abs")
-    assert rule.allowed(0.05, 0.4) == pytest.approx(0.0875) and rule.allowed(0.05) == pytest.approx(0.025)
-    assert rule.allowed(0.5, 0.4) == pytest.approx(0.25)  # past its bound: no room
-    assert rule_for("top1_agreement").room(0.96, 0.9) == pytest.approx(0.06)
-    assert rule_for("num_layers").room(4.0, 1.0) == 0.0  # "equal" metrics have no room
-    assert not rule_for("save_s").gating and not rule_for("weight_sync_blocking_s").gating
-    # A negative control's margin gates in its own test (>= 3), never in compare.
-    assert not rule_for("separation").gating and rule_for("separation").direction == "higher_is_better"
-    assert all(r.gating for r in RULES if not r.metric_pattern.endswith("_s") and "blocking_s" not in r.metric_pattern
-               and r.metric_pattern != "separation")
+# ----------------------------------------------------------------------------------------- rules
+def test_rule_table() -> None:
+    assert rule_for("max_abs").direction == "lower_is_better"
+    assert rule_for("top1_agreement").direction == "higher_is_better"
+    assert rule_for("separation").direction == "higher_is_better"
+    assert rule_for("peak_bytes").metric_pattern == "*bytes*"  # not the *_s time rule
+    assert rule_for("step_s").metric_pattern == "*_s"
     assert rule_for("next_loss_rel_diff").metric_pattern == "*_rel_diff"
     assert rule_for("next_param_max_abs_diff").metric_pattern == "*max_abs_diff"
+    fallback = rule_for("something_new")
+    assert fallback.metric_pattern == "*" and RULES[-1] is fallback and all(r.why for r in RULES)
+    assert rule_for("top1_agreement").worse(0.99, 0.98) and not rule_for("max_abs").worse(2e-6, 1e-6)

@@ -154,8 +154,8 @@ def test_load_run_errors_are_clear(tmp_path: Path) -> None:
     (bad / "results.json").write_text("{not json")
     with pytest.raises(ValueError, match="not a readable JSON document"):
         load_run(bad)
-    future = write_run(tmp_path / "future", dict(make_run([]), schema_version=2))
-    with pytest.raises(ValueError, match="schema_version 2 is unknown; this code reads schema_version 1"):
+    future = write_run(tmp_path / "future", dict(make_run([]), schema_version=3))
+    with pytest.raises(ValueError, match="schema_version 3 is unknown; this code reads schema_version 1 and 2"):
         load_run(future)
     (bad / "results.json").write_text(json.dumps({"schema_version": 1}))
     with pytest.raises(ValueError, match="no 'rows' key"):
@@ -165,7 +165,7 @@ def test_load_run_errors_are_clear(tmp_path: Path) -> None:
 def test_minimal_document_renders(tmp_path: Path) -> None:
     """A results.json with rows only (no tests, no meta fields) still renders."""
     row = Row(suite="parity", test="t::a[x]", layout="tp1", metric="max_abs", value=1e-6,
-              tolerance=1e-5, passed=True, model="m", dtype="fp32")
+              tolerance=1e-5, passed=True, claim="bounded", model="m", dtype="fp32")
     atomic_write(tmp_path / "results.json", json.dumps({"schema_version": SCHEMA_VERSION,
                                                         "meta": {"args": ["suites"]}, "rows": [row.as_dict()]}))
     run = load_run(tmp_path)

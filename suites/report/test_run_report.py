@@ -15,7 +15,7 @@ from harness.report import record_row
 
 def _on_ranks(value):
     import torch.distributed as dist
-    record_row("rank_value", value + dist.get_rank(), tolerance=None, passed=True, layout="dp2")
+    record_row("rank_value", value + dist.get_rank(), tolerance=None, passed=True, claim="observed", layout="dp2")
     return dist.get_rank()
 
 @pytest.mark.world_size(2)
@@ -23,7 +23,7 @@ def test_rows_from_ranks(world):
     assert world.run(_on_ranks, 10) == [0, 1]
 
 def test_row_from_the_test_process(report):
-    report.add("local_value", 1.5, tolerance=2.0, passed=True, model="m")
+    report.add("local_value", 1.5, tolerance=2.0, passed=True, claim="bounded", model="m")
 
 def test_fails():
     assert False, "on purpose"
@@ -43,7 +43,7 @@ def test_rows_from_ranks_and_the_test_reach_results_with_outcomes(pytester):
                                            f"--mrh-report-dir={reports}")
     result.assert_outcomes(passed=2, failed=1)
     document = _results(reports)
-    assert document["schema_version"] == 1 and document["meta"]["complete"] is True
+    assert document["schema_version"] == 2 and document["meta"]["complete"] is True
     rank_rows = sorted((r for r in document["rows"] if r["metric"] == "rank_value"), key=lambda r: r["extra"]["rank"])
     assert [(r["value"], r["extra"]["rank"], r["outcome"]) for r in rank_rows] == [(10, 0, "passed"), (11, 1, "passed")]
     assert rank_rows[0]["test"].endswith("test_rows_from_ranks[cpu]")
@@ -70,7 +70,7 @@ def test_xdist_workers_are_merged_into_one_report(pytester):
 def test_a_killed_run_leaves_a_readable_report_with_unfinished_tests(pytester):
     pytester.makepyfile(test_inner='''
         def test_first(report):
-            report.add("before_kill", 1.0, tolerance=None, passed=True)
+            report.add("before_kill", 1.0, tolerance=None, passed=True, claim="observed")
 
         def test_second():
             import time

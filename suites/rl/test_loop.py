@@ -24,7 +24,7 @@ def _run(rl_loop, layout, report=None, model="tiny-qwen3", **config):
     if report is not None:
         for h in history:
             for metric, value in h.metrics().items():
-                report.add(metric, value, tolerance=None, passed=True, layout=layout, model=model,
+                report.add(metric, value, tolerance=None, passed=True, claim="observed", layout=layout, model=model,
                            dtype=config.get("dtype", "fp32"), iteration=h.iteration,
                            colocate=config.get("colocate", False),
                            **({"engine": config["engine"]} if "engine" in config else {}))
@@ -58,6 +58,30 @@ def test_the_same_seed_gives_the_same_trajectory(rl_loop, device, layout, report
     assert other[0].tokens != first[0].tokens
 
 
+@pytest.mark.layouts(cpu=["dp2"])
+def test_the_same_seed_gives_the_committed_trajectory_on_any_machine(rl_loop, device, layout, report, runs):
+    """The claim's reach: bit for bit against the trajectory committed from another machine
+    (suites/rl/golden.py), under the pinned CPU arithmetic and the same library versions. With
+    --mrh-cpu-isa native, or other versions, the claim covers one machine only: skipped, with why."""
+    import os
+
+    from harness.backends import cpu_arithmetic
+    from suites.rl import golden
+
+    want = golden.load()
+    if cpu_arithmetic.chosen() != want["cpu_isa"]:
+        pytest.skip(f"the committed trajectory holds under --mrh-cpu-isa {want['cpu_isa']}; this run: "
+                    f"{os.environ.get(cpu_arithmetic.ENV)} (same machine only)")
+    if golden.versions() != want["versions"]:
+        pytest.skip(f"recorded with {want['versions']}, this environment has {golden.versions()}: another "
+                    "version may round differently (CI installs ci/constraints/harness-cpu.txt)")
+    got = golden.trajectory(_dp2(rl_loop, report, runs, golden.ITERATIONS))
+    mismatched = [w["iteration"] for w, g in zip(want["iterations"], got) if w != g]
+    report.add("iterations_not_bit_equal", len(mismatched), tolerance=0, passed=not mismatched, layout=layout,
+               model=golden.MODEL, dtype="fp32", claim="exact", against=str(golden.PATH.name))
+    assert got == want["iterations"], f"iterations {mismatched} differ from {golden.PATH}"
+
+
 @pytest.mark.layouts(cpu=["tp2", "pp2"], cuda=["tp2", "pp2", "pp2vpp2", "tp2-sp"])
 def test_the_trajectory_is_the_same_at_every_layout(rl_loop, device, layout, report, runs):
     """Same rollouts (tokens), same rewards; grad norm within the training table's fp32 bound of dp2."""
@@ -68,7 +92,7 @@ def test_the_trajectory_is_the_same_at_every_layout(rl_loop, device, layout, rep
         assert g.tokens == w.tokens, f"iteration {g.iteration}: different rollouts"
         assert g.reward_mean == w.reward_mean
         rel = abs(g.grad_norm - w.grad_norm) / abs(w.grad_norm)
-        report.add("grad_norm_rel_diff", rel, tolerance=bound.limit, passed=bound.passes(rel), layout=layout,
+        report.add("grad_norm_rel_diff", rel, tolerance=bound.limit, passed=bound.passes(rel), claim=bound.claim, layout=layout,
                    model="tiny-qwen3", dtype="fp32", iteration=g.iteration, against="dp2")
         assert bound.passes(rel), (g.iteration, g.grad_norm, w.grad_norm)
         tmpe = sync_tolerance("token_mult_prob_error", "fp32")
@@ -80,7 +104,7 @@ def test_the_reward_goes_up(rl_loop, device, layout, report, runs):
     history = _dp2(rl_loop, report, runs, 8)
     rewards = [h.reward_mean for h in history]
     gain = sum(rewards[-3:]) / 3 - sum(rewards[:3]) / 3
-    report.add("reward_gain_last3_minus_first3", gain, tolerance=REWARD_GAIN, passed=gain >= REWARD_GAIN,
+    report.add("reward_gain_last3_minus_first3", gain, tolerance=REWARD_GAIN, passed=gain >= REWARD_GAIN, claim="bounded",
                layout=layout, model="tiny-qwen3", dtype="fp32", rewards=rewards)
     assert gain >= REWARD_GAIN, rewards
     assert all(math.isfinite(h.grad_norm) and h.grad_norm > 0 for h in history)

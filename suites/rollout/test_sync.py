@@ -13,7 +13,7 @@ from harness.variants import VariantError
 
 def _record(report, result):
     for row in result.rows():
-        report.add(row.metric, row.value, tolerance=row.tolerance, passed=row.passed, layout=row.layout,
+        report.add(row.metric, row.value, tolerance=row.tolerance, passed=row.passed, claim=row.claim, layout=row.layout,
                    model=row.model, dtype=row.dtype, device=row.device, **row.extra)
 
 

@@ -21,7 +21,7 @@ SAMPLING = Sampling(n=3, max_tokens=6, temperature=0.8, seed=7)
 
 def _record(report, result):
     for row in result.rows():
-        report.add(row.metric, row.value, tolerance=row.tolerance, passed=row.passed, layout=row.layout,
+        report.add(row.metric, row.value, tolerance=row.tolerance, passed=row.passed, claim=row.claim, layout=row.layout,
                    model=row.model, dtype=row.dtype, device=row.device, **row.extra)
 
 
@@ -56,7 +56,7 @@ def test_vllm_samples_reproducibly_from_the_weights_it_reports(engine, report):
     # vLLM's logprob of each sampled token (processed: temperature applied) against an HF forward
     diff = (first.logprobs - _hf_logprobs(hf.model, first, SAMPLING.temperature)).abs()
     bound = sync_tolerance("max_abs", "fp32").limit
-    report.add("vllm_vs_hf_max_abs", diff.max().item(), tolerance=bound, passed=diff.max().item() <= bound,
+    report.add("vllm_vs_hf_max_abs", diff.max().item(), tolerance=bound, passed=diff.max().item() <= bound, claim="bounded",
                layout="none", model=MODEL, dtype="fp32", engine="vllm")
     assert diff.max().item() <= bound
 

@@ -35,7 +35,7 @@ def _run(world, layout, variant, dtype, hf_cache, report, **case):
     report.extend(result.rows)
     worst = max(result.checks, key=lambda c: c.margin)
     ok = result.separation >= SENSITIVITY_MARGIN
-    report.add("separation", result.separation, tolerance=SENSITIVITY_MARGIN, passed=ok,
+    report.add("separation", result.separation, tolerance=SENSITIVITY_MARGIN, passed=ok, claim="control",
                layout=result.layout.name, model=model, dtype=dtype, variant=variant,
                regime=result.regime, worst_metric=worst.metric, tolerance_kind="min")
     return result

@@ -76,7 +76,7 @@ def test_interleaved_dropout_policies_each_equal_their_run_alone(policy, device,
         steps = [(s["loss"], s["grad_norm"]) for s in got[name]]
         differing = sorted(n for n in want_state if not torch.equal(want_state[n], states[name][n]))
         exact = steps == want_steps and not differing
-        report.add("bit_exact", float(exact), tolerance=1.0, passed=exact, layout=layout, dropout=0.1,
+        report.add("bit_exact", float(exact), tolerance=1.0, passed=exact, claim="exact", layout=layout, dropout=0.1,
                    policy=name, tensors_differing=len(differing))
         assert steps == want_steps, f"policy {name}: interleaved {steps} vs alone {want_steps}"
         assert not differing, f"policy {name}: weights differ from its run alone in {differing[:5]}"
