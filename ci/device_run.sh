@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Run a suite on a lent GPU machine (bare image: Python 3.12 + torch, no megatron-core/mbridge).
+# Run a suite on a lent GPU machine (bare image: Python 3.12 + torch, no megatron-core/mbridge/TE).
 # Usage: MRH_GIT_COMMIT=SHA [MRH_GIT_DIRTY=0|1] bash ci/device_run.sh NAME [pytest args...]
 #   (wheels in .whl/, results under $OUT). The tree arrives without .git, so the commit the reports
 #   record comes from MRH_GIT_COMMIT: compose the command where git is, `$(bash ci/git_env.sh) bash ...`.
+#   Transformer Engine: carry a copy of ../shared/te as .te/ (never committed; `mkdir -p .te && cp -r
+#   ../shared/te/. .te/`): it is built once per machine (2-3 min) and every run sees it, so the CUDA
+#   variants run on both layer specs (--mrh-spec auto); without .te/ they run on the local spec only.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 name=$1; shift
@@ -22,6 +25,13 @@ fi
 if ! python3 -c "import megatron.core, mbridge, harness" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl || exit 1
   python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>/dev/null || exit 1
+fi
+if [ -d .te ] && ! python3 -c "import transformer_engine" 2>/dev/null; then
+  if [ ! -f /tmp/site/te_env.sh ]; then
+    echo "device_run.sh: building Transformer Engine from .te/ (log /tmp/te_build.log)" >&2
+    SMOKE=0 bash .te/build_on_device.sh .te > /tmp/te_build.log 2>&1 || { tail -40 /tmp/te_build.log; exit 1; }
+  fi
+  . /tmp/site/te_env.sh
 fi
 start=$(date -u +%FT%TZ); t0=$(date +%s)
 # RUN_TIMEOUT: stop with SIGINT, so pytest still writes its JUnit file and summary.

@@ -47,8 +47,49 @@ def _session(args: list[str], run_dir: Path) -> dict:
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     tests = json.loads((run_dir / "results.json").read_text())["tests"] if (run_dir / "results.json").is_file() else []
     return {"exit": done.returncode, "seconds": round(time.monotonic() - started, 1),
-            "tests": {t["nodeid"]: (t["outcome"], t.get("message", "")[:400]) for t in tests},
+            "tests": {t["nodeid"]: (t["outcome"], t.get("message", "")[-20000:]) for t in tests},
             "tail": done.stdout[-2000:]}
+
+
+def _write_report(args, counts, failures, sessions, busy: int, started: float, *, done: bool) -> int:
+    """OUT/results.json and OUT/README.md as they stand (rewritten after every session, atomically:
+    a stopped run keeps what it did); returns the flakes so far."""
+    from harness.report.fingerprint import environment_fingerprint
+
+    flakes = len(failures)
+    repeats_done = len({s["repeat"] for s in sessions if s["slice"] == len(SLICES) - 1})
+    document = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "repeats": args.repeats,
+                "repeats_done": repeats_done, "complete": done, "load_per_core": args.load,
+                "busy_processes": busy, "slices": SLICES,
+                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+                "hours": round((time.time() - started) / 3600, 2),
+                "fingerprint": environment_fingerprint(), "flakes": flakes,
+                "tests": {n: dict(c) for n, c in sorted(counts.items())}, "failures": failures, "sessions": sessions}
+    fp = document["fingerprint"]
+    status = "" if done else f" (stopped or running: {repeats_done} of {args.repeats} repetitions done)"
+    lines = [f"# Crash injection under load: {flakes} flakes in {repeats_done} repetitions{status}", "",
+             f"`{document['command']}` at {fp.get('git_commit', '?')[:12]}{' (dirty)' if fp.get('git_dirty') else ''}, "
+             f"{document['started']}, {document['hours']} h; {fp.get('cpu_model')} ({fp.get('cpu_count')} cores, "
+             f"{', '.join(fp.get('cpu_flags') or [])}), {busy} busy processes competing; torch {fp.get('torch')}, "
+             f"megatron-core {fp.get('megatron-core')}.", "",
+             "| test | passed | failed/error |", "|---|---|---|"]
+    for nodeid, c in sorted(counts.items()):
+        lines.append(f"| `{nodeid}` | {c['passed']} | {sum(v for k, v in c.items() if k != 'passed')} |")
+    if failures:
+        lines += ["", "## Failures", ""] + [f"- repeat {f['repeat']}: `{f['nodeid']}` {f['outcome']}: "
+                                            f"{f['message'][-600:]}" for f in failures]
+    _write_atomically(args.out / "results.json", json.dumps(document, indent=1, default=str) + "\n")
+    _write_atomically(args.out / "README.md", "\n".join(lines) + "\n")
+    return flakes
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
 
 
 def main() -> int:
@@ -58,7 +99,6 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
-    from harness.report.fingerprint import environment_fingerprint
 
     args.out.mkdir(parents=True, exist_ok=True)
     counts: dict[str, Counter] = defaultdict(Counter)
@@ -78,32 +118,13 @@ def main() -> int:
                         counts[nodeid][outcome] += 1
                         if outcome != "passed":
                             failures.append({"repeat": rep, "nodeid": nodeid, "outcome": outcome, "message": message})
+                    _write_report(args, counts, failures, sessions, len(busy), started, done=False)
                     print(f"repeat {rep + 1}/{args.repeats} slice {index}: {len(result['tests'])} tests, exit "
                           f"{result['exit']}, {result['seconds']} s, failures so far {len(failures)}", file=sys.stderr)
     finally:
         for proc in busy:
             proc.kill()
-    flakes = sum(1 for f in failures)
-    document = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "repeats": args.repeats,
-                "load_per_core": args.load, "busy_processes": len(busy), "slices": SLICES,
-                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-                "hours": round((time.time() - started) / 3600, 2),
-                "fingerprint": environment_fingerprint(), "flakes": flakes,
-                "tests": {n: dict(c) for n, c in sorted(counts.items())}, "failures": failures, "sessions": sessions}
-    (args.out / "results.json").write_text(json.dumps(document, indent=1, default=str) + "\n")
-    fp = document["fingerprint"]
-    lines = [f"# Crash injection under load: {flakes} flakes in {args.repeats} repetitions", "",
-             f"`{document['command']}` at {fp.get('git_commit', '?')[:12]}{' (dirty)' if fp.get('git_dirty') else ''}, "
-             f"{document['started']}, {document['hours']} h; {fp.get('cpu_model')} ({fp.get('cpu_count')} cores, "
-             f"{', '.join(fp.get('cpu_flags') or [])}), {len(busy)} busy processes competing; torch {fp.get('torch')}, "
-             f"megatron-core {fp.get('megatron-core')}.", "",
-             "| test | passed | failed/error |", "|---|---|---|"]
-    for nodeid, c in sorted(counts.items()):
-        lines.append(f"| `{nodeid}` | {c['passed']} | {sum(v for k, v in c.items() if k != 'passed')} |")
-    if failures:
-        lines += ["", "## Failures", ""] + [f"- repeat {f['repeat']}: `{f['nodeid']}` {f['outcome']}: {f['message'][:300]}"
-                                            for f in failures]
-    (args.out / "README.md").write_text("\n".join(lines) + "\n")
+    flakes = _write_report(args, counts, failures, sessions, len(busy), started, done=True)
     print(f"{flakes} flakes; {args.out}/README.md", file=sys.stderr)
     return 1 if flakes else 0
 

@@ -83,10 +83,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from harness.backends import cpu_arithmetic
+    from harness.backends import cpu_arithmetic, cuda_precision
 
-    try:  # before any torch kernel runs here or in a rank ($MRH_CPU_ISA; cpu_arithmetic says why)
-        cpu_arithmetic.pin()
+    try:  # before any torch kernel runs here or in a rank ($MRH_CPU_ISA; cpu_arithmetic says why),
+        cpu_arithmetic.pin()  # and before CUDA starts (TF32 off: cuda_precision says why)
+        cuda_precision.pin()
     except (ValueError, cpu_arithmetic.ArithmeticPinError) as exc:
         print(f"mrh: {exc}", file=sys.stderr)
         return 2

@@ -34,7 +34,7 @@ def load_megatron_model(
     cache_dir: str | os.PathLike | None = None,
     seed: int = 0,
     make_vocab_size_divisible_by: int = 128,
-    spec: SpecChoice = "auto",
+    spec: SpecChoice | None = None,
     sequence_parallel: bool = False,
     norm_precision: str = "auto",
     wrap_with_ddp: bool = False,

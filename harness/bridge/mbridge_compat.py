@@ -71,7 +71,7 @@ from harness.bridge.versions import (
     te_available,
 )
 
-SpecChoice = Literal["auto", "te", "local"]
+SpecChoice = Literal["te", "local"]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Local-spec layer norms -> HF names (the TE spec fuses these into the following linear layer).
@@ -80,13 +80,16 @@ _LOCAL_NORM_TO_HF = {"input_layernorm": "input_layernorm",
                      "pre_mlp_layernorm": "post_attention_layernorm"}
 
 
-def resolve_spec(spec: SpecChoice) -> Literal["te", "local"]:
-    if spec == "auto":
-        return "te" if te_available() else "local"
+def resolve_spec(spec: SpecChoice | None = None) -> Literal["te", "local"]:
+    """`spec`, or this process's (a rank's: its world's, harness.bridge.specs); never guessed
+    from what is installed."""
+    from harness.bridge import specs
+
+    spec = spec or specs.current()
+    if spec not in specs.SPECS:
+        raise ValueError(f"spec must be one of {specs.SPECS}, got {spec!r}")
     if spec == "te" and not te_available():
         raise RuntimeError("spec='te' requested but `import transformer_engine` fails")
-    if spec not in ("te", "local"):
-        raise ValueError(f"spec must be 'auto', 'te' or 'local', got {spec!r}")
     return spec
 
 
@@ -200,7 +203,7 @@ def resolve_norm_precision(norm_precision: str, spec: Literal["te", "local"]) ->
 
 
 def make_bridge(path: str | Path, *, dtype: torch.dtype = torch.float32,
-                make_vocab_size_divisible_by: int = 128, spec: SpecChoice = "auto",
+                make_vocab_size_divisible_by: int = 128, spec: SpecChoice | None = None,
                 sequence_parallel: bool = False, norm_precision: str = "auto",
                 config_overrides: Mapping[str, Any] | None = None):
     """An mbridge bridge (with the harness fixes) for the HF checkpoint dir `path`.
@@ -209,7 +212,7 @@ def make_bridge(path: str | Path, *, dtype: torch.dtype = torch.float32,
     The vocab is padded to a multiple of `make_vocab_size_divisible_by * TP`, as Megatron-LM does.
     `config_overrides` are TransformerConfig fields applied last (e.g. recompute settings).
     `sequence_parallel` works with either spec (it needs TP > 1, which Megatron checks, and inputs
-    whose sequence length is divisible by TP).
+    whose sequence length is divisible by TP). `spec` None: the world's (harness.bridge.specs).
     """
     check_supported_versions()
     if dtype not in DTYPES:

@@ -54,6 +54,7 @@ class CrashConfig:
     device: str = "cpu"
     variant: str | None = None
     dtype: str = "fp32"
+    spec: str = "local"  # the layer spec of the job's models (harness.bridge.specs)
 
     @property
     def name(self) -> str:
@@ -109,7 +110,14 @@ _event = append_record  # the driver's events and the fault points' records shar
 def _drive(config: dict[str, Any], root: str, events: str, plan: dict[str, Any] | None) -> None:
     """The training job (runs in the trial's own session)."""
     os.setsid()
+    import faulthandler
+
+    from harness.launch.rank import STACK_SIGNAL
     from harness.launch.world import World
+
+    # A hung trial is reported with the driver's stack (and its ranks', from their world's files).
+    faulthandler.register(STACK_SIGNAL, file=open(f"{events}.driver-stack", "ab", buffering=0), all_threads=True,
+                          chain=False)
     from harness.parallel.state import as_layout
 
     cfg = CrashConfig(**config)
@@ -118,7 +126,7 @@ def _drive(config: dict[str, Any], root: str, events: str, plan: dict[str, Any] 
         env[ENV] = FaultPlan(**{**plan, "session": os.getsid(0), "log": events}).to_env()
         os.environ[ENV] = env[ENV]  # the parent-side points
     world = World(as_layout(cfg.layout).world_size, cfg.device, env=env, echo_output=False,
-                  start_method="fork" if cfg.device == "cpu" else "spawn")
+                  start_method="fork" if cfg.device == "cpu" else "spawn", spec=cfg.spec)
     try:
         _train_and_save(cfg, world, root, events)
     except BaseException as exc:  # the job failed without a crash: say so, leave no rank behind
@@ -138,7 +146,7 @@ def _train_and_save(cfg: CrashConfig, world, root: str, events: str) -> None:
     world.start()
     policy = PolicyHandle(world, cfg.layout, MODEL, **cfg.policy_config)
     ckpt = Checkpointer(policy, root, keep=cfg.keep, async_save=cfg.async_save, variant=cfg.variant)
-    _event(events, event="ready", pid=os.getpid(), ranks=world.pids)
+    _event(events, event="ready", pid=os.getpid(), ranks=world.pids, workdir=world.workdir)
     reported = 0
 
     def report_finalized() -> None:
@@ -222,10 +230,11 @@ def run_trial(config: CrashConfig, root: str | os.PathLike, *, point: str | None
             if not kill_session(sid, include_self=False):  # the job had ended: nothing to kill
                 how, killed_at = f"ended-before-random-kill:{killed_at:.2f}", None
     proc.join(timeout=max(1.0, deadline - time.monotonic()))
-    if proc.is_alive():  # a hung job is a failure of its own: take it down, say so
+    if proc.is_alive():  # a hung job is a failure of its own: take it down, say where it hung
+        stacks = _stacks_of_hung_job(sid, events)
         kill_session(sid, include_self=False)
         proc.join(timeout=10)
-        raise TimeoutError(f"crash trial {config.name} ({how}) did not end within {timeout:.0f}s")
+        raise TimeoutError(f"crash trial {config.name} ({how}) did not end within {timeout:.0f}s\n{stacks}")
     # (d) nothing of the job may outlive it; ranks need up to ~1 s to notice a driver-only kill.
     left = session_pids(sid)
     end = time.monotonic() + grace
@@ -240,6 +249,25 @@ def run_trial(config: CrashConfig, root: str | os.PathLike, *, point: str | None
         raise FaultNotReached(f"crash trial {config.name}: the job ended ({'completed' if outcome.completed else 'killed'}) "
                               f"without reaching fault point {point} of the save of iteration {FAULT_ITERATION}")
     return outcome
+
+
+def _stacks_of_hung_job(sid: int, events: Path, wait_s: float = 3.0) -> str:
+    """The last events, and the stacks of the driver and its ranks (faulthandler on STACK_SIGNAL;
+    the ranks' writers, forked, write into their rank's file)."""
+    from harness.launch.rank import STACK_SIGNAL, _read_from
+
+    records = _read_events(events)
+    ready = next((e for e in records if e["event"] == "ready"), {})
+    files = [f"{events}.driver-stack"] + sorted(str(p) for p in Path(ready.get("workdir") or "/nonexistent").glob("rank*.stack"))
+    sizes = {f: os.path.getsize(f) if os.path.exists(f) else 0 for f in files}
+    for pid in [sid, *ready.get("ranks", [])]:
+        if pid in session_pids(sid):
+            os.kill(pid, STACK_SIGNAL)
+    time.sleep(wait_s)  # faulthandler writes from the signal handler
+    lines = ["last events: " + "; ".join(f"{r['event']}{'@' + str(r['iteration']) if 'iteration' in r else ''}"
+                                         for r in records[-12:])]
+    lines += [f"--- {Path(f).name}\n{_read_from(f, sizes[f]).strip() or '(nothing written)'}" for f in files]
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------- judging
@@ -373,7 +401,7 @@ def cached_trial(cache: dict, config: CrashConfig, workdir: str | os.PathLike, m
     the policy the resume loads into, called only when a trial runs."""
     key = ("verdict", config, tuple(sorted(how.items())))
     if key not in cache:
-        ref_key = ("reference", config.layout, config.device, config.dtype)
+        ref_key = ("reference", config.layout, config.device, config.dtype, config.spec)
         if ref_key not in cache:
             cache[ref_key] = uninterrupted(make_policy, config)
         label = "-".join(str(v) for v in how.values()) or "clean"

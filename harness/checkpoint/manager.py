@@ -52,6 +52,7 @@ def policy_manifest(policy, partial: Path, position: dict[str, Any], optimizer_f
     manifest = Manifest(
         model=str(policy.path), model_config=model_fingerprint(load_hf_config(policy.path)),
         layout=policy.layout.name, world_size=policy.world.size, dtype=policy.config.get("dtype", "fp32"),
+        spec=policy.world.spec,
         optimizer_format=optimizer_format, steps_done=position["steps_done"],
         consumed_samples=position["consumed_samples"], megatron_core=_megatron_version(),
         files=file_table(partial), **fields)
@@ -113,6 +114,14 @@ def check_loadable(policy, directory: str | os.PathLike, *, load_rng: bool | Non
                      if manifest.model_config.get(k) != v}
         raise CheckpointError(f"{directory}: a checkpoint of another model ({manifest.model}); "
                               f"(checkpoint, policy) differ in {differing}")
+    if manifest.spec != policy.world.spec:
+        # The two specs' state dicts name and lay out the norms differently (TE fuses each layer
+        # norm into the linear layer after it): a load would miss keys half-way through the ranks.
+        raise CheckpointError(
+            f"{directory}: saved from a {manifest.spec}-spec policy, loading into a {policy.world.spec}-spec one: "
+            "the two specs keep the layer norms under other names (Transformer Engine fuses them into "
+            "the linear layers), so a dist checkpoint does not cross them. Export HF weights "
+            "(policy.hf_state_dict()) to move a model between specs")
     dtype = policy.config.get("dtype", "fp32")
     if manifest.dtype != dtype:
         raise CheckpointError(f"{directory}: saved from a {manifest.dtype} policy, loading into {dtype}")

@@ -43,6 +43,7 @@ class Manifest:
     iteration: int | None = None  # in a checkpoint root (harness.checkpoint.root)
     async_save: bool = False
     blocking_s: float | None = None  # an async save: how long training waited for it
+    spec: str = "local"  # the layer spec of the model saved (harness.bridge.specs); "local" before it was recorded
     format: str = FORMAT
 
     def to_json(self) -> str:

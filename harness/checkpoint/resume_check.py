@@ -9,7 +9,10 @@ another layout) takes the same step. Compared, with `harness.checkpoint.toleranc
   state, with deterministic kernels, and with dropout on only if the RNG streams were restored;
 - at another layout, within the training tolerance table (the same math in another order);
 - a load that cannot restore the checkpoint must change nothing: the harness refuses it before
-  any rank touches its state (a load that fails inside Megatron is not undone).
+  any rank touches its state (a load that fails inside Megatron is not undone);
+- a load that fails for any other reason fails the check (`load_failed`): nothing resumed, so
+  nothing can pass (found on the TE spec, where every same-layout resume raised KeyError: 'step'
+  from the harness's own torch-Adam workaround, and the check said "resumed exactly").
 """
 from __future__ import annotations
 
@@ -109,10 +112,15 @@ def resume_and_compare(make_policy: Callable, source: Uninterrupted, target_layo
     except BaseException as exc:  # torch's CheckpointException is a BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
+        from harness.checkpoint.errors import CheckpointError
+
         result.load_error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
         after = target.hf_state_dict()
         changed = [n for n in before if not torch.equal(before[n], after[n])]
         _check(result, "tensors_changed_by_failed_load", len(changed), f"a failed load changed {changed}")
+        refused = isinstance(exc, CheckpointError)  # the harness's own refusal, before any rank worked
+        _check(result, "load_failed", 0 if refused else 1,
+               f"the load failed: {result.load_error}" + ("" if refused else "\n" + _remote_traceback(exc)))
         return result
     if after_load is not None:
         after_load(target)
@@ -123,6 +131,12 @@ def resume_and_compare(make_policy: Callable, source: Uninterrupted, target_layo
     if abs(got["lr"] - want["lr"]) > 1e-12 * abs(want["lr"]):
         result.failures.append(f"next lr: resumed {got['lr']} vs uninterrupted {want['lr']}")
     return result
+
+
+def _remote_traceback(exc: BaseException) -> str:
+    """The rank's traceback of an exception a world call re-raised (its tail)."""
+    cause = exc.__cause__
+    return str(cause)[-2500:] if cause is not None else ""
 
 
 def next_step_diffs(got: dict[str, Any], want: dict[str, Any], state: dict[str, torch.Tensor],

@@ -30,6 +30,12 @@ _TABLE = tuple(
               rationale="a load the harness cannot complete is refused before any rank changes state",
               evidence=_evidence("tensors_changed_by_failed_load", dtype, "other-layout", {CPU_BASELINE: 0.0}))
     for dtype in ("fp32", "bf16")
+) + tuple(
+    Tolerance("load_failed", dtype, 0.0, regime="any",
+              rationale="a resume loads; the one failure allowed is the harness's own refusal before any "
+                        "rank works (a CheckpointError), which counts 0",
+              evidence=_evidence("load_failed", dtype, "other-layout", {CPU_BASELINE: 0.0}))
+    for dtype in ("fp32", "bf16")
 )
 
 TABLE = ToleranceTable("resume", _TABLE)
@@ -38,7 +44,7 @@ TABLE = ToleranceTable("resume", _TABLE)
 def resume_tolerance(metric: str, dtype, *, same_layout: bool) -> Tolerance:
     """The bound for a resumed step's `metric`: exact at the same layout, the training table's at
     another; the failed-load bound for `tensors_changed_by_failed_load`."""
-    if metric == "tensors_changed_by_failed_load":
+    if metric in ("tensors_changed_by_failed_load", "load_failed"):
         return TABLE.get(metric, dtype)
     return TABLE.get(metric, dtype, "same-layout") if same_layout else training_tolerance(metric, dtype)
 

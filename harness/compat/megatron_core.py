@@ -3,7 +3,8 @@
 Every patch the harness applies to megatron-core behaviour is here, with the upstream bug it works
 around. All four concern the DistributedOptimizer without Apex/Transformer Engine, where Megatron
 falls back to torch's Adam, which keeps a per-parameter "step" tensor that Megatron's checkpoint
-code does not expect:
+code does not expect (with TE installed megatron-core uses TE's FusedAdam, for either layer spec,
+which keeps its step in the param groups: none of them applies, and none is applied):
 
 - `NEVER_STEPPED_ADAM`: `DistributedOptimizer.state_dict()` (called by `sharded_state_dict` when
   loading) asserts every parameter's state has one common "step"; a fresh torch Adam has no state
@@ -87,12 +88,20 @@ def _distributed_optimizers(optimizer) -> list:
 
 
 def _torch_adams(optimizer) -> list[torch.optim.Optimizer]:
-    return [dist_opt.optimizer for dist_opt in _distributed_optimizers(optimizer)]
+    """The inner optimizers that are torch's Adam/AdamW (what these workarounds are about)."""
+    inner = [dist_opt.optimizer for dist_opt in _distributed_optimizers(optimizer)]
+    return [o for o in inner if isinstance(o, (torch.optim.Adam, torch.optim.AdamW))]
+
+
+def uses_torch_adam(optimizer) -> bool:
+    return bool(_torch_adams(optimizer))
 
 
 def ensure_optimizer_state(optimizer) -> None:
     """`NEVER_STEPPED_ADAM`: give a never-stepped optimizer the state tensors a load overwrites
     (zero moments, step 0: what torch Adam's first step would start from)."""
+    if not uses_torch_adam(optimizer):
+        return  # TE's or Apex's FusedAdam: megatron-core's init_state_fn fills a never-stepped one
     require(NEVER_STEPPED_ADAM)
     for inner in _torch_adams(optimizer):
         for group in inner.param_groups:
@@ -129,8 +138,10 @@ def load_optimizer_state_dict(optimizer, state_dict: dict, *, unshare_steps: boo
     """`optimizer.load_state_dict(state_dict)` with the workarounds a load needs (the gate is
     checked before anything changes). unshare_steps=False keeps `SHARED_ADAM_STEP` (the shipped
     buggy variant)."""
-    require(STEP_KEY_ERROR, DP_RESHARDABLE_GRAD_COPY, *([SHARED_ADAM_STEP] if unshare_steps else []))
-    dist_opts = _distributed_optimizers(optimizer)
+    torch_adam = uses_torch_adam(optimizer)
+    require(DP_RESHARDABLE_GRAD_COPY, *([STEP_KEY_ERROR] if torch_adam else []),
+            *([SHARED_ADAM_STEP] if unshare_steps and torch_adam else []))
+    dist_opts = _distributed_optimizers(optimizer) if torch_adam else []
     for dist_opt in dist_opts:  # instance attributes shadow the class method for this load only
         original = dist_opt.load_parameter_state_from_fully_reshardable
 

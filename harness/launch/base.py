@@ -40,7 +40,7 @@ class WorldBase:
 
     def __init__(self, size: int, device: str = "cpu", *, timeout: float = 300.0, start_timeout: float = 180.0,
                  failure_grace: float = 5.0, death_grace: float = 1.0, env: dict[str, str] | None = None,
-                 echo_output: bool = True, echo_to: TextIO | None = None):
+                 echo_output: bool = True, echo_to: TextIO | None = None, spec: str | None = None):
         if size < 1:
             raise ValueError(f"world size must be >= 1, got {size}")
         if device not in DEVICES:
@@ -52,12 +52,15 @@ class WorldBase:
         self.failure_grace = failure_grace
         self.death_grace = death_grace
         from harness.backends import cpu_arithmetic
+        from harness.bridge import specs
 
+        self.spec = specs.for_world(device, spec)  # the layer spec its ranks build models with
         # The ranks compute with the CPU kernels this process pinned, wherever they run (a Ray node
         # does not inherit this environment): harness.backends.cpu_arithmetic.
-        self.env = {**cpu_arithmetic.env(), **(env or {})}
+        self.env = {**cpu_arithmetic.env(), **(env or {}), specs.ENV: self.spec}
         self.echo_output = echo_output
         self.echo_to = echo_to  # where echoed rank output goes: a file, or None for this process's stdout
+        self.facts: dict[str, Any] = {}  # what rank 0 computes with (harness.launch.facts), per start
         self.starts = 0  # how many times the ranks were (re)started
         self.calls = 0  # how many calls were sent to the ranks
         self._call_ids = itertools.count()
@@ -105,7 +108,8 @@ class WorldBase:
 
     def __repr__(self) -> str:
         state = "alive" if self.alive else "stopped"
-        return f"{type(self).__name__}(size={self.size}, device={self.device!r}, {state}, starts={self.starts})"
+        return (f"{type(self).__name__}(size={self.size}, device={self.device!r}, spec={self.spec!r}, {state}, "
+                f"starts={self.starts})")
 
     def start(self):
         """Start the ranks (no-op when already alive) and wait until all joined."""
@@ -121,6 +125,9 @@ class WorldBase:
             raise WorldStartError(
                 f"world of {self.size} {self.device} ranks ({self.launcher}) failed to start: {exc}{remote}"
             ) from exc
+        from harness.launch.facts import rank_facts
+
+        self.facts = self.run(rank_facts)[0]
         return self
 
     # ------------------------------------------------------------------ calls

@@ -28,6 +28,9 @@ CUDA_SAFETY_ENV = {
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     "NVSHMEM_DISABLE_NVLS": "1",
 }
+# Transformer Engine then picks deterministic kernels only (e.g. its fused attention backward): the
+# harness's same-layout resumes and seeded runs are bit for bit on the te spec too.
+CUDA_DETERMINISM_ENV = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,9 @@ def _init_process_group(spec: RankSpec) -> None:
         spec.store_host, spec.store_port, spec.world_size, is_master=False, timeout=timeout
     )
     if spec.device == "cuda":
+        from harness.backends import cuda_precision
+
+        cuda_precision.pin()  # torch's own switches, now that torch is imported
         torch.cuda.set_device(spec.rank % torch.cuda.device_count())
         backend = "cpu:gloo,cuda:nccl"  # gloo too: Megatron makes gloo groups for CPU tensors
     else:
@@ -156,8 +162,11 @@ def _setup_environment(spec: RankSpec) -> None:
         os.environ.setdefault(key, value)
     os.environ.update(spec.env)
     if spec.device == "cuda":
-        for key, value in CUDA_SAFETY_ENV.items():
+        from harness.backends import cuda_precision
+
+        for key, value in {**CUDA_SAFETY_ENV, **CUDA_DETERMINISM_ENV}.items():
             os.environ.setdefault(key, value)
+        cuda_precision.pin()  # before CUDA starts here: cuBLAS reads its TF32 override once
     os.environ.update(
         RANK=str(spec.rank),
         LOCAL_RANK=str(spec.rank),

@@ -93,9 +93,9 @@ class RayWorld(WorldBase):
     def __init__(self, size: int, device: str = "cpu", *, placement: str = "STRICT_PACK", timeout: float = 300.0,
                  start_timeout: float = 180.0, failure_grace: float = 5.0, death_grace: float = 1.0,
                  env: dict[str, str] | None = None, echo_output: bool = True, echo_to: TextIO | None = None,
-                 ping_timeout: float = 10.0):
+                 ping_timeout: float = 10.0, spec: str | None = None):
         super().__init__(size, device, timeout=timeout, start_timeout=start_timeout, failure_grace=failure_grace,
-                         death_grace=death_grace, env=env, echo_output=echo_output, echo_to=echo_to)
+                         death_grace=death_grace, env=env, echo_output=echo_output, echo_to=echo_to, spec=spec)
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
         self.placement = placement

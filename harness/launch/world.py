@@ -53,6 +53,7 @@ class World(WorldBase):
         echo_output: bool = True,
         echo_to: TextIO | None = None,
         start_method: str = "spawn",
+        spec: str | None = None,
     ):
         if device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
@@ -61,7 +62,7 @@ class World(WorldBase):
         if device == "cuda" and start_method == "fork":
             raise ValueError("a cuda world cannot fork its ranks (CUDA does not survive a fork); use spawn")
         super().__init__(size, device, timeout=timeout, start_timeout=start_timeout, failure_grace=failure_grace,
-                         death_grace=death_grace, env=env, echo_output=echo_output, echo_to=echo_to)
+                         death_grace=death_grace, env=env, echo_output=echo_output, echo_to=echo_to, spec=spec)
         if device == "cuda":
             _require_gpus(size)
         self.start_method = start_method

@@ -44,11 +44,17 @@ def megatron_logprobs(
 
     packing: "right" removes left padding (the default path); "packed" concatenates each
     micro-batch's sequences into one row with a block-diagonal causal mask (the remove-padding
-    path of the local spec); "none" feeds the padded rows as they are (a negative control: left-padded
-    rows then see pads and shifted positions).
+    path of the local spec); "thd" packs the same way and gives TE's attention the boundaries
+    (cu_seqlens, the TE spec's remove-padding path, as verl and NeMo-RL run it); "none" feeds the
+    padded rows as they are (a negative control: left-padded rows then see pads and shifted positions).
     """
     from megatron.core import parallel_state as ps
 
+    from harness.bridge import bridge_info
+
+    if packing == "thd" and bridge_info(models).spec != "te":
+        raise ValueError("packing 'thd' feeds cu_seqlens to Transformer Engine's attention: it needs the te "
+                         "spec (the local spec packs with a block-diagonal mask: 'packed')")
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     local = batch.split(dp_size)[dp_rank]
     # Sequence parallelism shards the sequence over TP ranks: lengths must divide by TP.

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from harness.data.packing import pack, unpack
 from harness.data.rl_batch import RLBatch
 
-PACKINGS = ("right", "packed", "none")
+PACKINGS = ("right", "packed", "thd", "none")
 
 
 @dataclass
@@ -27,6 +27,8 @@ class MicroBatch:
     tokens: torch.Tensor  # [b, s] as fed
     attention_mask: torch.Tensor | None  # Megatron convention: True = masked out
     unmap: Callable[[torch.Tensor], torch.Tensor]  # [b, s] token-aligned values -> rows' layout
+    cu_seqlens: torch.Tensor | None = None  # thd: int32 sequence boundaries of the one packed row
+    max_seqlen: int = 0  # thd: the longest sequence
 
 
 def shift_to_tokens(per_position: torch.Tensor, fill: float | int) -> torch.Tensor:
@@ -64,6 +66,20 @@ def packed(rows: RLBatch, length: int) -> MicroBatch:
                       lambda values: unpack(values[:, : packed_rows.total_tokens], packed_rows, rows))
 
 
+def thd(rows: RLBatch, length: int) -> MicroBatch:
+    """`packed`'s row fed the way verl and NeMo-RL feed Transformer Engine (remove-padding): no mask,
+    the sequence boundaries as cu_seqlens through TE's attention (qkv_format "thd"); Megatron's RoPE
+    restarts the positions at every boundary. The tail padding is a sequence of its own."""
+    packed_rows = pack(rows)
+    pad = length - packed_rows.total_tokens
+    tokens = F.pad(packed_rows.input_ids, (0, pad), value=rows.pad_id)
+    cu = packed_rows.cu_seqlens.to(torch.int32)
+    if pad:
+        cu = torch.cat([cu, torch.tensor([length], dtype=torch.int32)])
+    return MicroBatch(rows, tokens, None, lambda values: unpack(values[:, : packed_rows.total_tokens], packed_rows, rows),
+                      cu_seqlens=cu, max_seqlen=int((cu[1:] - cu[:-1]).max()))
+
+
 def pad_columns(micro: MicroBatch, multiple: int) -> MicroBatch:
     """Extra pad columns on the right so the length divides by `multiple` (sequence parallelism
     splits the sequence over TP ranks); causal attention keeps them out of every real token."""
@@ -90,4 +106,4 @@ def split_micro_batches(local: RLBatch, count: int, packing: str = "right",
     # Pipeline stages exchange fixed-shape activations: every packed row gets the same length.
     longest = max(int(p.lengths.sum()) for p in parts)
     length = -(-longest // length_multiple) * length_multiple
-    return [packed(p, length) for p in parts]
+    return [(thd if packing == "thd" else packed)(p, length) for p in parts]

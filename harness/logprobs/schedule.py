@@ -36,6 +36,9 @@ def run_schedule(models: list[torch.nn.Module], micros: list[MicroBatch], loss_f
         # Positions 0..s-1: Megatron's RoPE ignores position_ids (hence right padding or packing).
         positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
         mask = None if micro.attention_mask is None else micro.attention_mask.to(device)
+        if micro.cu_seqlens is not None:  # thd: the sequence boundaries go to TE's attention
+            return model(tokens, positions, mask, packed_seq_params=_thd_params(micro, device)), \
+                loss_for(index, micro, tokens)
         return model(tokens, positions, mask), loss_for(index, micro, tokens)
 
     chunks = list(models)
@@ -48,6 +51,14 @@ def run_schedule(models: list[torch.nn.Module], micros: list[MicroBatch], loss_f
         num_microbatches=len(micros), seq_length=micros[0].tokens.shape[1],
         micro_batch_size=micros[0].tokens.shape[0], forward_only=forward_only,
     )
+
+
+def _thd_params(micro: MicroBatch, device):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = micro.cu_seqlens.to(device)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=micro.max_seqlen,
+                           max_seqlen_kv=micro.max_seqlen)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, micro: MicroBatch,

@@ -138,8 +138,11 @@ def residual(worker) -> dict[str, Any]:
     items = sorted(((rounded(t.untyped_storage().nbytes(), device), str(t.dtype), list(t.shape))
                     for t in seen.values()), reverse=True)
     allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else sum(i[0] for i in items)
+    from harness.compat.transformer_engine import workspaces_held
+
     return {"allocated_bytes": allocated, "census_bytes": sum(i[0] for i in items), "tensors": len(items),
-            "largest": items[:8], "held": {c: inventory.held(worker, c, device) for c in worker.offloader.components}}
+            "largest": items[:8], "held": {c: inventory.held(worker, c, device) for c in worker.offloader.components},
+            "te_workspaces": workspaces_held()}
 
 
 def live_workers(*_) -> dict[str, int]:

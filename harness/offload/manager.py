@@ -299,8 +299,11 @@ class OffloadManager:
 
     def clear_caches(self) -> None:
         """Drop the device caches no component owns (before measuring the residual of a full
-        offload): RoPE's per-length cache, Megatron's global memory buffer, cuBLAS workspaces."""
+        offload): RoPE's per-length cache, Megatron's global memory buffer, cuBLAS workspaces
+        (torch's, and Transformer Engine's: harness.compat.transformer_engine)."""
         from megatron.core import parallel_state
+
+        from harness.compat.transformer_engine import release_workspaces
 
         try:
             from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -311,6 +314,7 @@ class OffloadManager:
         buffer = getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None)
         if buffer is not None:
             buffer.buffer.clear()
+        release_workspaces()
         gc.collect()
         if self.device.type == "cuda":
             torch._C._cuda_clearCublasWorkspaces()

@@ -9,12 +9,13 @@ import json
 import sys
 import time
 
-from harness.bridge.mbridge_compat import resolve_norm_precision, resolve_spec
+from harness.bridge import specs
+from harness.bridge.mbridge_compat import resolve_norm_precision
 from harness.launch import WorldPool
 from harness.parallel.layout import LayoutError, parse_layout_list, resolve, validate
 from harness.parity.runner import DTYPES, REFERENCES, ParityCase, prepare_model, run_parity
 from harness.parity.variants import check_variant
-from harness.variants import VariantError
+from harness.variants import VariantError, get
 
 
 def add_arguments(parser) -> None:
@@ -22,6 +23,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--layouts", default="tp1,tp2,pp2", help="comma list, e.g. tp1,tp2,pp2,tp2pp2 (default tp1,tp2,pp2)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--spec", choices=("local", "te"), default="local",
+                        help="layer spec the Megatron model is built with: Megatron's local modules (default) "
+                             "or Transformer Engine's (cuda only)")
     parser.add_argument("--variant", default=None, help="a wrong variant from the catalog (mrh repro --list); it must fail")
     parser.add_argument("--reference", choices=REFERENCES, default="arranged",
                         help="HF reference arithmetic: 'arranged' rounds where Megatron does (default), "
@@ -44,7 +48,13 @@ def _preflight(args) -> list:
     # feature (model type, activation, sliding window, RoPE type, a tensor Megatron would drop)
     # is an UnsupportedModelError here, before the world starts.
     _, config = prepare_model(args.model, args.cache_dir)
-    resolve_norm_precision(args.norm_precision, resolve_spec("auto"))
+    specs.for_world(args.device, args.spec)
+    if args.spec == "te" and not specs.installed():
+        raise ValueError("--spec te needs Transformer Engine: `transformer_engine` is not installed")
+    resolve_norm_precision(args.norm_precision, args.spec)
+    if args.variant and args.device not in get(args.variant).devices:
+        raise VariantError(f"variant {args.variant!r} shows on {', '.join(get(args.variant).devices)} only, "
+                           f"not {args.device}")
     resolved = []
     for layout in layouts:
         size = layout.world_size
@@ -65,9 +75,11 @@ def main(args) -> int:
     results = []
     try:
         for i, layout in enumerate(layouts, 1):
-            _log(f"[{i}/{len(layouts)}] {args.model} {layout} {args.dtype} on {layout.world_size} {args.device} rank(s) ...")
+            _log(f"[{i}/{len(layouts)}] {args.model} {layout} {args.dtype} on {layout.world_size} {args.device} "
+                 f"rank(s), {args.spec} spec ...")
             start = time.perf_counter()
-            world = pool.get(layout.world_size, args.device)
+            world = pool.get(layout.world_size, args.device, args.spec,
+                             env=dict(get(args.variant).world_env) if args.variant else None)
             case = ParityCase(args.model, layout, args.dtype, args.variant,
                               norm_precision=args.norm_precision, reference=args.reference)
             result = run_parity(world, case,

@@ -4,6 +4,16 @@ Parent-side `run_parity` validates everything first (model, layout, variant, bat
 call on the world loads the model through the bridge under the layout, computes Megatron logprobs
 (forward-only schedule, vocab-parallel) and, once per model/dtype/device, the HF reference on the
 same device. The comparison, its tolerances and the report rows are computed in the parent.
+
+A bf16 case whose arithmetic cannot be reproduced by the reference (the approximate regime:
+Transformer Engine's kernels, TP > 2, a plain reference) cannot see a 1% bug in bf16 noise
+(~1e-2): no statistic over the tokens separated the fine controls from the correct model there
+(CPU, tiny-qwen3, 1790 tokens: mean signed |d| 1.8e-4 correct, 7.8e-5 scaled-norm, 6.2e-4
+wrong-rope-base; std 0.0129, 0.0159, 0.0139). So such a case also checks *what the bf16 model
+holds* exactly (`fp32_eval`): its whole state (every parameter and buffer, as loaded and as any
+variant left it) is copied into an fp32 model of the same spec and layout, whose logprobs are held
+to the fp32 bounds against HF in fp32 on the bf16-rounded weights. Rows say which comparison they
+are (`extra.evaluated_in`: "bf16" or "fp32"); the bf16 arithmetic itself keeps its approximate bounds.
 """
 from __future__ import annotations
 
@@ -39,6 +49,8 @@ class ParityCase:
     packing: str = "right"  # "right" (remove left padding) or "packed" (see harness.logprobs.megatron)
     norm_precision: str = "auto"  # Megatron's RMSNorm rounding: "hf" on the local spec (see harness.bridge.norms)
     reference: str = "arranged"  # HF rounding like Megatron (harness.logprobs.arithmetic), or "plain" eager
+    fp32_eval: bool | None = None  # also evaluate the bf16 model's state in fp32 (module docstring);
+    # None: where the bf16 arithmetic is in the approximate regime
 
 
 REFERENCES = ("arranged", "plain")
@@ -52,8 +64,10 @@ class ParityResult:
     regime: str  # "exact" or "approximate" (harness.parity.tolerances.regime)
     norm_precision: str  # Megatron's RMSNorm rounding, resolved ("hf" or "fused")
     metrics: dict[str, float]
-    checks: list[CheckResult]
+    checks: list[CheckResult]  # the bf16/fp32 arithmetic's, then the fp32 evaluation's (if any)
     rows: list[Row] = field(default_factory=list)
+    spec: str = "local"  # the layer spec the Megatron model was built with
+    evaluated_in: list[str] = field(default_factory=list)  # per check: the dtype its logprobs were computed in
 
     @property
     def passed(self) -> bool:
@@ -65,8 +79,9 @@ class ParityResult:
         return separation(self.checks)
 
     def summary(self) -> str:
-        parts = [f"{m}={v:.3g} ({'ok' if ok else 'FAIL'} vs {t.limit:g})" for m, v, t, ok in self.checks]
-        what = f"{self.case.model} {self.layout} {self.case.dtype} {self.device} ({self.regime})"
+        parts = [f"{'fp32-eval ' if e != self.case.dtype else ''}{m}={v:.3g} ({'ok' if ok else 'FAIL'} vs {t.limit:g})"
+                 for (m, v, t, ok), e in zip(self.checks, self.evaluated_in)]
+        what = f"{self.case.model} {self.layout} {self.case.dtype} {self.device} {self.spec} ({self.regime})"
         if self.case.packing != "right":
             what += f" packing={self.case.packing}"
         if self.case.variant:
@@ -84,15 +99,19 @@ def _micro_batches(case: ParityCase, layout: Layout, rows_per_dp: int) -> int:
 
 # ----------------------------------------------------------------------------- rank-side
 def _hf_reference(path: str, dtype: torch.dtype, batch: RLBatch, arranged_tp: int | None,
-                  rows_per_forward: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+                  rows_per_forward: int | None, compute: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """HF logprobs and top-1: arranged to round like Megatron at TP `arranged_tp`, one forward per
-    `rows_per_forward` rows as Megatron's micro-batches; or plain eager HF when None."""
+    `rows_per_forward` rows as Megatron's micro-batches; or plain eager HF when None. `compute`:
+    compute in that dtype on the weights rounded to `dtype` (the fp32 evaluation of a bf16 model)."""
     from harness.launch import context
     from harness.logprobs.arithmetic import arrange_like_megatron
     from harness.logprobs.hf import hf_token_outputs
     from harness.models import build_hf_model
 
-    model = build_hf_model(path, dtype=dtype).to(context().device)
+    model = build_hf_model(path, dtype=dtype)
+    if compute is not None:
+        model = model.to(compute)
+    model = model.to(context().device)
     if arranged_tp is not None:
         arrange_like_megatron(model, tp=arranged_tp)
     device_batch = batch.to(context().device)
@@ -104,7 +123,7 @@ def _hf_reference(path: str, dtype: torch.dtype, batch: RLBatch, arranged_tp: in
 
 def _rank_parity(layout: Layout, path: str, dtype: torch.dtype, batch: RLBatch, micro_batches: int,
                  variant: str | None, packing: str, norm_precision: str, want_hf: bool,
-                 arranged: tuple[int, int] | None):
+                 arranged: tuple[int, int] | None, fp32_eval: bool):
     import torch.distributed as dist
 
     from harness.bridge import load_megatron_model
@@ -115,13 +134,52 @@ def _rank_parity(layout: Layout, path: str, dtype: torch.dtype, batch: RLBatch, 
     apply_variant(variant, models)
     with torch.no_grad():
         result = megatron_logprobs(models, batch, micro_batches=micro_batches, packing=packing)
-    del models
+    evaluated = None
+    if fp32_eval:
+        shadow = load_megatron_model(path, dtype=torch.float32, sequence_parallel=layout.sequence_parallel,
+                                     norm_precision=norm_precision)
+        copy_state(models, shadow)
+        del models
+        with torch.no_grad():
+            evaluated = megatron_logprobs(shadow, batch, micro_batches=micro_batches, packing=packing)
+        del shadow
+    else:
+        del models
     want_hf = want_hf and dist.get_rank() == 0
     hf = _hf_reference(path, dtype, batch, *(arranged or (None, None))) if want_hf else None
+    hf_fp32 = (_hf_reference(path, dtype, batch, *(arranged or (None, None)), compute=torch.float32)
+               if want_hf and fp32_eval else None)
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return result, hf
+    return result, hf, evaluated, hf_fp32
+
+
+def copy_state(source: list[torch.nn.Module], target: list[torch.nn.Module]) -> None:
+    """Everything `source`'s chunks hold into `target`'s (same spec and layout, any dtype), by name:
+    every parameter and buffer, and every tensor a module keeps as a plain attribute (Megatron's
+    RoPE `inv_freq` is one): the target then holds exactly what the source holds, upcast."""
+    from mbridge.core.util import unwrap_model
+
+    for src, dst in zip(unwrap_model(source), unwrap_model(target), strict=True):
+        targets = dict(dst.named_modules())
+        if set(targets) != {name for name, _ in src.named_modules()}:
+            raise RuntimeError(f"the two models differ in modules: {sorted(set(targets) ^ {n for n, _ in src.named_modules()})[:8]}")
+        with torch.no_grad():
+            for name, module in src.named_modules():
+                into = targets[name]
+                for attr, tensor in vars(module).items():
+                    if isinstance(tensor, torch.Tensor) and isinstance(getattr(into, attr, None), torch.Tensor):
+                        setattr(into, attr, tensor.to(getattr(into, attr).dtype))  # a plain tensor attribute
+                for attr, tensor in [*module._parameters.items(), *module._buffers.items()]:
+                    have = getattr(into, attr, None)
+                    if tensor is None or have is None:
+                        if (tensor is None) != (have is None):
+                            raise RuntimeError(f"{name}.{attr}: present in one model only")
+                        continue
+                    if have.shape != tensor.shape:
+                        raise RuntimeError(f"{name}.{attr}: shape {tuple(tensor.shape)} vs {tuple(have.shape)}")
+                    have.copy_(tensor)
 
 
 # ----------------------------------------------------------------------------- parent-side
@@ -156,32 +214,44 @@ def run_parity(world, case: ParityCase, *, device: str | None = None, batch: RLB
     batch.validate(config.vocab_size)
     micro = _micro_batches(case, layout, batch.batch_size // layout.dp)
 
-    spec = resolve_spec("auto")
+    spec = resolve_spec(world.spec)  # the world's ranks build the model on it
     norm_precision = resolve_norm_precision(case.norm_precision, spec)
-    arithmetic = regime(layout, reference=case.reference, spec=spec, norm_precision=norm_precision)
+    packing = FORCED_PACKING.get(case.variant, case.packing)
+    arithmetic = regime(layout, reference=case.reference, spec=spec, norm_precision=norm_precision, packing=packing)
     # The arranged reference rounds its row-parallel sums like the layout's TP, and runs one forward
     # per Megatron micro-batch: cuBLAS picks its bf16 GEMM by shape, so a whole-batch reference
     # differs from dp2/pp2 micro-batches (H200, qwen3-0.6b-shape bf16: max |d| 0.047 vs 9.5e-7).
     arranged = (layout.tp, batch.batch_size // layout.dp // micro) if case.reference == "arranged" else None
+    fp32_eval = case.fp32_eval if case.fp32_eval is not None else (case.dtype == "bf16" and arithmetic == "approximate")
+    if fp32_eval and case.dtype != "bf16":
+        raise ValueError("fp32_eval evaluates a bf16 model's state in fp32: the case must be bf16")
     key = (str(path), case.dtype, device, _batch_key(batch), arranged)
-    cached = (hf_cache or {}).get(key)
+    cached = (hf_cache or {}).get(key), (hf_cache or {}).get(key + ("fp32",)) if fp32_eval else None
+    want_hf = cached[0] is None or (fp32_eval and cached[1] is None)
     results = run_in_layout(
         world, layout, _rank_parity, str(path), DTYPES[case.dtype], batch, micro, case.variant,
-        FORCED_PACKING.get(case.variant, case.packing), norm_precision,
-        cached is None, arranged,
+        packing, norm_precision, want_hf, arranged, fp32_eval,
     )
     from harness.logprobs.megatron import assemble
 
-    megatron_lp, megatron_top1 = assemble([r for r, _ in results])
-    reference = cached or results[0][1]
+    references = [cached[0] or results[0][1], cached[1] or results[0][3]]
     if hf_cache is not None:
-        hf_cache[key] = reference
-    hf_lp, hf_top = reference
-    mask = batch.response_mask
-    metrics = compare_logprobs(hf_lp, megatron_lp, mask)
-    metrics["top1_agreement"] = top1_agreement(hf_top, megatron_top1, mask)
-    checks = check(metrics, case.dtype, arithmetic)
-    result = ParityResult(case, layout, device, arithmetic, norm_precision, metrics, checks)
+        hf_cache[key] = references[0]
+        if fp32_eval:
+            hf_cache[key + ("fp32",)] = references[1]
+    compared = [(case.dtype, arithmetic, assemble([r[0] for r in results]), references[0])]
+    if fp32_eval:  # the bf16 model's state, evaluated in fp32: the fp32 bounds
+        compared.append(("fp32", "exact", assemble([r[2] for r in results]), references[1]))
+    metrics, checks, evaluated_in = {}, [], []
+    for computed_in, regime_of, (megatron_lp, megatron_top1), (hf_lp, hf_top) in compared:
+        found = compare_logprobs(hf_lp, megatron_lp, batch.response_mask)
+        found["top1_agreement"] = top1_agreement(hf_top, megatron_top1, batch.response_mask)
+        made = check(found, computed_in, regime_of)
+        checks += made
+        evaluated_in += [computed_in] * len(made)
+        metrics.update(found if computed_in == case.dtype else {f"fp32_eval_{k}": v for k, v in found.items()})
+    result = ParityResult(case, layout, device, arithmetic, norm_precision, metrics, checks, spec=spec,
+                          evaluated_in=evaluated_in)
     result.rows = _rows(result, suite, test, str(case.model))
     return result
 
@@ -198,6 +268,7 @@ def _rows(result: ParityResult, suite: str, test: str, model: str) -> list[Row]:
     return [
         Row(suite=suite, test=test, layout=result.layout.name, metric=metric, value=float(value),
             tolerance=tol.limit, passed=bool(ok), claim=tol.claim, model=model, dtype=result.case.dtype,
-            device=result.device, extra={**extra, "tolerance_kind": tol.kind})
-        for metric, value, tol, ok in result.checks
+            device=result.device, spec=result.spec,
+            extra={**extra, "tolerance_kind": tol.kind, "evaluated_in": evaluated_in})
+        for (metric, value, tol, ok), evaluated_in in zip(result.checks, result.evaluated_in, strict=True)
     ]

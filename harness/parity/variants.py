@@ -146,8 +146,20 @@ IMPLEMENTED: dict[str, Callable] = {
     "swapped-tp-shards": _swap_tp_shards,
     "unsynced-tied-embedding": _unsync_tied_embedding,
     "unmasked-padding": lambda models: None,  # acts on the input, see FORCED_PACKING
+    "tf32-in-fp32": lambda models: _require_tf32(),  # acts on the world (Variant.world_env)
     "dropped-rope-scaling": _drop_rope_scaling,
 }
+
+
+def _require_tf32() -> None:
+    """The control's world must really run TF32 (set before CUDA started: Variant.world_env),
+    or the control would pass for the wrong reason."""
+    from harness.backends import cuda_precision
+
+    if not (torch.cuda.is_available() and cuda_precision.tf32_requested()
+            and torch.backends.cuda.matmul.allow_tf32):
+        raise VariantError("variant 'tf32-in-fp32' runs on CUDA ranks started with MRH_TF32=1 "
+                           f"(this rank: {cuda_precision.state()})")
 
 
 def apply_variant(variant_id: str | None, models: list[torch.nn.Module]) -> None:

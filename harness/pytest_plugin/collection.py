@@ -56,6 +56,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="CPU kernels of every process of the run: avx2 (default, or $MRH_CPU_ISA: the same "
                          "bits on any x86-64 machine) or native (the machine's own; results hold on it "
                          "only). harness.backends.cpu_arithmetic says why")
+    group.addoption("--mrh-spec", default="auto", choices=["auto", "te", "local", "both"],
+                    help="layer specs the CUDA variants run on: te (Transformer Engine), local (Megatron's "
+                         "own modules), both; auto (default): both where transformer_engine is installed, "
+                         "else local. The CPU tier is local: TE has no CPU kernels (harness.bridge.specs)")
     group.addoption("--mrh-nightly", action="store_true",
                     help="also run the tests marked nightly (long sweeps; -m nightly runs them alone)")
     group.addoption("--mrh-report-dir", default=os.environ.get("MRH_REPORT_DIR", "reports/runs"),
@@ -73,18 +77,24 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser, args: list[str]) -> None:
     """Pin the CPU kernels before any conftest runs code (a conftest's import may run a torch op,
     which fixes torch's choice for the process); the ranks inherit the environment."""
-    from harness.backends import cpu_arithmetic
+    from harness.backends import cpu_arithmetic, cuda_precision
 
     try:
         cpu_arithmetic.pin(early_config.known_args_namespace.mrh_cpu_isa)
     except (ValueError, cpu_arithmetic.ArithmeticPinError) as exc:
         raise pytest.UsageError(f"--mrh-cpu-isa: {exc}") from None
+    try:  # fp32 means fp32 on CUDA (TF32 off), before CUDA starts here or in a rank
+        cuda_precision.pin()
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
 
 
 def pytest_configure(config: pytest.Config) -> None:
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
     selected_devices(config)  # a bad --mrh-devices is a usage error before collection
+    if "cuda" in selected_devices(config):
+        selected_specs(config, "cuda")  # and --mrh-spec te without TE installed
     markexpr = config.getoption("markexpr") or ""
     config.stash[_SELECTS_GPU] = selects_gpu(markexpr)
     config.stash[_SELECTS_NIGHTLY] = bool(config.getoption("--mrh-nightly")) or names_nightly(markexpr)
@@ -96,6 +106,16 @@ def selected_devices(config: pytest.Config) -> list[str]:
     if unknown:
         raise pytest.UsageError(f"--mrh-devices: unknown device(s) {unknown}; choose from {DEVICES}")
     return devices
+
+
+def selected_specs(config: pytest.Config, device: str) -> list[str]:
+    """The layer specs the `device` variants run on (harness.bridge.specs.selected)."""
+    from harness.bridge import specs
+
+    try:
+        return specs.selected(config.getoption("--mrh-spec"), device)
+    except specs.SpecError as exc:
+        raise pytest.UsageError(str(exc)) from None
 
 
 def gpu_count() -> int:

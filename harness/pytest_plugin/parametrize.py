@@ -1,12 +1,15 @@
-"""Parametrization: every test that takes `device` runs once per selected device, and the
-`layouts` / `layout_pairs` markers parametrize (device, layout) or (device, source, target)
-jointly, because the layouts a CUDA machine can run depend on its GPU count."""
+"""Parametrization: every test that takes `device` runs once per selected backend, a (device,
+layer spec) pair: `cpu` (the local spec), and on CUDA once per selected spec (`cuda-te`,
+`cuda-local`; `--mrh-spec`). The `layouts` / `layout_pairs` markers parametrize (device, spec,
+layout) or (device, spec, source, target) jointly, because the layouts a CUDA machine can run
+depend on its GPU count. The test's spec is its `spec` fixture (added to every test taking
+`device`), which its worlds build models with."""
 from __future__ import annotations
 
 import pytest
 
 from harness.parallel.layout import enumerate_layouts, parse_layout
-from harness.pytest_plugin.collection import GPU_MARKER, gpu_count, selected_devices
+from harness.pytest_plugin.collection import GPU_MARKER, gpu_count, selected_devices, selected_specs
 
 CPU_LAYOUTS = ["tp1", "tp2", "pp2"]  # the CPU tier's 2-rank layouts
 
@@ -14,16 +17,28 @@ CPU_LAYOUTS = ["tp1", "tp2", "pp2"]  # the CPU tier's 2-rank layouts
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "device" not in metafunc.fixturenames or _has_direct_param(metafunc, "device"):
         return
+    if "spec" not in metafunc.fixturenames:
+        metafunc.fixturenames.append("spec")
     pairs = metafunc.definition.get_closest_marker("layout_pairs")
     if pairs is not None:
-        metafunc.parametrize(("device", "source", "target"), _device_pair_params(metafunc.config, pairs))
+        metafunc.parametrize(("device", "spec", "source", "target"), _device_pair_params(metafunc.config, pairs))
         return
     marker = metafunc.definition.get_closest_marker("layouts")
     if marker is not None:
-        metafunc.parametrize(("device", "layout"), _device_layout_params(metafunc.config, marker))
+        metafunc.parametrize(("device", "spec", "layout"), _device_layout_params(metafunc.config, marker))
         return
-    params = [pytest.param(d, id=d, marks=_device_marks(d)) for d in selected_devices(metafunc.config)]
-    metafunc.parametrize("device", params)
+    params = [pytest.param(d, s, id=name, marks=_device_marks(d)) for d, s, name in backends(metafunc.config)]
+    metafunc.parametrize(("device", "spec"), params)
+
+
+def backends(config: pytest.Config, device: str | None = None) -> list[tuple[str, str, str]]:
+    """(device, spec, id) of every selected backend (of `device` only, if given): the CPU tier's
+    id stays `cpu` (it has one spec), CUDA's names its spec."""
+    found = []
+    for d in selected_devices(config) if device is None else [device]:
+        specs = selected_specs(config, d)
+        found += [(d, s, d if d != "cuda" else f"{d}-{s}") for s in specs]
+    return found
 
 
 def _device_marks(device: str) -> list:
@@ -42,11 +57,11 @@ def cuda_layouts(config: pytest.Config) -> list[str]:
 
 def _device_layout_params(config: pytest.Config, marker: pytest.Mark) -> list:
     params = []
-    for device in selected_devices(config):
+    for device, spec, name in backends(config):
         layouts = marker.kwargs.get(device, [])
         if layouts == "all":
             layouts = cuda_layouts(config) if device == "cuda" else list(CPU_LAYOUTS)
-        params += [pytest.param(device, layout, id=f"{device}-{layout}", marks=_device_marks(device))
+        params += [pytest.param(device, spec, layout, id=f"{name}-{layout}", marks=_device_marks(device))
                    for layout in layouts]
     return params
 
@@ -60,11 +75,11 @@ def cuda_layout_pairs(config: pytest.Config) -> list[tuple[str, str]]:
 
 def _device_pair_params(config: pytest.Config, marker: pytest.Mark) -> list:
     params = []
-    for device in selected_devices(config):
+    for device, spec, name in backends(config):
         pairs = marker.kwargs.get(device, [])
         if pairs == "all":
             pairs = cuda_layout_pairs(config) if device == "cuda" else []
-        params += [pytest.param(device, a, b, id=f"{device}-{a}-to-{b}", marks=_device_marks(device))
+        params += [pytest.param(device, spec, a, b, id=f"{name}-{a}-to-{b}", marks=_device_marks(device))
                    for a, b in pairs]
     return params
 

@@ -59,6 +59,12 @@ def _suite(item_or_path) -> str:
     return Path(str(getattr(item_or_path, "fspath", item_or_path))).parent.name
 
 
+def _spec(item: pytest.Item) -> dict:
+    """The row's layer-spec column: the test's backend parameter, where it has one."""
+    spec = getattr(getattr(item, "callspec", None), "params", {}).get("spec")
+    return {"spec": spec} if spec else {}
+
+
 def _generated(item: pytest.Item) -> dict:
     """Fields for the rows of a hypothesis test: its examples differ from run to run, so
     `mrh report compare` must never pair one run's rows with another's."""
@@ -85,7 +91,8 @@ class _ReportHooks:
     def pytest_runtest_call(self, item: pytest.Item):
         yield
         fields = _generated(item)
-        rows = [as_row({**record, **fields}, _suite(item), item.nodeid) for record in report_buffer.drain()]
+        rows = [as_row({**_spec(item), **record, **fields}, _suite(item), item.nodeid)
+                for record in report_buffer.drain()]
         self.run_report.add_rows(rows)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -96,6 +103,10 @@ class _ReportHooks:
             self.run_report.flush()
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        from harness.pytest_plugin.worlds import session_worlds
+
+        # What every world computed with: its layer spec, TF32 policy, TE version... (launch.facts)
+        self.run_report.meta["worlds"] = session_worlds(session.config)
         self.run_report.finish()
         if self._render_run is not None:
             self._render_run(self.run_report.directory)
@@ -121,11 +132,12 @@ class ReportHandle:
         self.suite = _suite(node)
         self.test = node.nodeid
         self._generated = _generated(node)
+        self._spec = _spec(node)
 
     def add(self, metric: str, value: float, *, tolerance: float | None, passed: bool, claim: str,
             layout: str = "", **fields) -> Row:
         """One row; `claim` says what kind of claim it is (harness.report.claims)."""
-        row = as_row({"metric": metric, "value": value, "tolerance": tolerance, "passed": passed,
+        row = as_row({**self._spec, "metric": metric, "value": value, "tolerance": tolerance, "passed": passed,
                       "claim": claim, "layout": layout, **fields, **self._generated}, self.suite, self.test)
         self._run_report.add_rows([row])
         return row
@@ -133,6 +145,7 @@ class ReportHandle:
     def extend(self, rows: list[Row]) -> None:
         for row in rows:
             row.suite, row.test = self.suite, self.test
+            row.spec = row.spec or self._spec.get("spec", "")
             row.extra.update(self._generated)
         self._run_report.add_rows(rows)
 

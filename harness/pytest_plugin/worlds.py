@@ -1,5 +1,7 @@
-"""The world fixtures: the session's persistent worlds (one per size and device), a test's world,
-private worlds for tests that break theirs, and the skip for a world the machine cannot hold."""
+"""The world fixtures: the session's persistent worlds (one per size, device and layer spec), a
+test's world, private worlds for tests that break theirs, and the skip for a world the machine
+cannot hold. A test's layer spec (`spec`, parametrized with `device`, harness.pytest_plugin.
+parametrize) is the spec of every world it gets, from a fixture or from the pool directly."""
 from __future__ import annotations
 
 import pytest
@@ -40,6 +42,13 @@ def pytest_unconfigure(config: pytest.Config) -> None:
             shutdown_ray()
 
 
+def session_worlds(config: pytest.Config) -> list[dict]:
+    """Each world this session started: launcher, size, device, spec and what its ranks reported."""
+    pool = config.stash.get(_POOL_KEY, None)
+    return [{"launcher": w.launcher, "size": w.size, "device": w.device, "spec": w.spec, "starts": w.starts,
+             **w.facts} for w in (pool.worlds() if pool is not None else []) if w.starts]
+
+
 @pytest.fixture(scope="session")
 def world_pool(pytestconfig: pytest.Config) -> WorldPool:
     """The session's persistent worlds, one per (size, device)."""
@@ -77,15 +86,31 @@ def skip_unless_fits(config: pytest.Config, size: int, device: str) -> None:
 
 
 @pytest.fixture
-def world(request: pytest.FixtureRequest, world_pool: WorldPool, device: str) -> WorldBase:
-    """The persistent world for this test's size and device (started on first use)."""
-    size = _requested_world_size(request)
-    skip_unless_fits(request.config, size, device)
-    return world_pool.get(size, device)
+def spec() -> str:
+    """The layer spec of a test's worlds; tests taking `device` get it as a parameter (cpu: local,
+    cuda: each selected spec), the others build no model on a spec of their choosing: local."""
+    return "local"
+
+
+@pytest.fixture(autouse=True)
+def _test_spec(request: pytest.FixtureRequest) -> None:
+    """Worlds a test takes from the pool without naming a spec (benches, runners, workers) get
+    the test's own."""
+    if "device" in request.fixturenames:
+        pool = request.config.stash[_POOL_KEY]
+        pool.spec[request.getfixturevalue("device")] = request.getfixturevalue("spec")
 
 
 @pytest.fixture
-def fresh_world(request: pytest.FixtureRequest, world_pool: WorldPool, device: str):
+def world(request: pytest.FixtureRequest, world_pool: WorldPool, device: str, spec: str) -> WorldBase:
+    """The persistent world for this test's size, device and layer spec (started on first use)."""
+    size = _requested_world_size(request)
+    skip_unless_fits(request.config, size, device)
+    return world_pool.get(size, device, spec)
+
+
+@pytest.fixture
+def fresh_world(request: pytest.FixtureRequest, world_pool: WorldPool, device: str, spec: str):
     """A factory of private worlds (`fresh_world(size)`), for tests that stop or break their world;
     skipped like `world` when the machine is too small, closed at teardown."""
     made: list[WorldBase] = []
@@ -94,7 +119,7 @@ def fresh_world(request: pytest.FixtureRequest, world_pool: WorldPool, device: s
         skip_unless_fits(request.config, size, device)
         if world_pool.exclusive(device):
             world_pool.release(device)  # the session's worlds hold the GPUs under Ray
-        made.append(make_world(size, device, **{**world_kwargs(request.config), **kwargs}))
+        made.append(make_world(size, device, **{**world_kwargs(request.config), "spec": spec, **kwargs}))
         return made[-1]
 
     yield make

@@ -1,8 +1,8 @@
 """Compare two runs row by row, each row by what it claims: what regressed, what moved, what
 appeared, what vanished.
 
-Rows are joined on ROW KEY = (suite, test, layout, model, dtype, device, metric, variant, packing,
-occurrence):
+Rows are joined on ROW KEY = (suite, test, layout, model, dtype, device, spec, metric, variant,
+packing, occurrence):
   - `test` is the pytest nodeid with its parametrization (`...::test_x[cuda-tp2-tiny-qwen3-fp32]`);
   - `variant` and `packing` come from the row's `extra` ("" when absent), because one test may
     record the same metric once per variant or packing;
@@ -46,8 +46,8 @@ from harness.report.rules import Rule, rule_for
 
 TIMING_NOISE = 0.25  # a wall time listed as moved beyond this relative change (shared machines: ~10-20%)
 
-KEY_FIELDS = ("suite", "test", "layout", "model", "dtype", "device", "metric")
-EXTRA_KEY_FIELDS = ("variant", "packing")
+KEY_FIELDS = ("suite", "test", "layout", "model", "dtype", "device", "spec", "metric")
+EXTRA_KEY_FIELDS = ("variant", "packing", "evaluated_in")
 Key = tuple[Any, ...]
 
 
@@ -148,10 +148,10 @@ def _key_cells(row: dict[str, Any]) -> list[str]:
     extra = row.get("extra") or {}
     variant = "/".join(str(extra[k]) for k in EXTRA_KEY_FIELDS if extra.get(k) is not None)
     return [row.get("test", ""), row.get("metric", ""), row.get("claim", ""), row.get("layout", ""),
-            row.get("model", ""), row.get("dtype", ""), row.get("device", ""), variant]
+            row.get("model", ""), row.get("dtype", ""), row.get("device", ""), row.get("spec", ""), variant]
 
 
-_KEY_COLUMNS = ["test", "metric", "claim", "layout", "model", "dtype", "device", "variant/packing"]
+_KEY_COLUMNS = ["test", "metric", "claim", "layout", "model", "dtype", "device", "spec", "variant/packing"]
 
 
 def _change_table(changes: list[Change]) -> Table:

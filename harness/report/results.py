@@ -23,7 +23,8 @@ still load: the claim is inferred, harness.report.claims.infer_legacy)::
       "rows": [                                   # harness.report.rows.Row.as_dict() ...
         {"suite", "test", "layout", "metric", "value", "tolerance", "passed",
          "claim",                                 # harness.report.claims: exact | bounded | control | timing | observed
-         "model", "dtype", "device", "units", "extra": {...},
+         "model", "dtype", "device", "spec",      # spec: the layer spec (te, local), "" where none
+         "units", "extra": {...},
          "outcome": "passed"}                     # ... plus the outcome of the row's test
       ]
     }
@@ -51,7 +52,7 @@ from harness.report.rows import READABLE_VERSIONS
 RESULTS = "results.json"
 OUTCOMES = ("passed", "failed", "error", "skipped", "unfinished")
 FAILING_OUTCOMES = ("failed", "error", "unfinished")
-ROW_COLUMNS = ("suite", "test", "layout", "model", "dtype", "device", "metric", "value", "tolerance",
+ROW_COLUMNS = ("suite", "test", "layout", "model", "dtype", "device", "spec", "metric", "value", "tolerance",
                "passed", "claim", "units", "outcome", "extra")
 # Keys of `extra` that identify a row (compare.py keys on them too), shown as table dimensions.
 EXTRA_DIMS = ("variant", "packing")
@@ -101,7 +102,7 @@ def normalise_run(document: Any, source: str = "<dict>") -> dict[str, Any]:
         row = dict(row)
         row["extra"] = dict(row.get("extra") or {})
         row.setdefault("outcome", outcome_of.get(row.get("test")))
-        for key in ("layout", "model", "dtype", "device", "units"):
+        for key in ("layout", "model", "dtype", "device", "spec", "units"):
             row[key] = row.get(key) or ""
         if not row.get("claim"):
             row["claim"] = infer_legacy(row)

@@ -27,6 +27,7 @@ class Row:
     model: str = ""
     dtype: str = ""
     device: str = ""
+    spec: str = ""  # the layer spec the model ran on (te, local; harness.bridge.specs); "" if none
     units: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 

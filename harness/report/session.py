@@ -78,7 +78,7 @@ class RunReport:
         elif phase == "setup" and outcome == "skipped":
             test["outcome"] = "skipped"
         if failed or (outcome == "skipped" and not test["message"]):
-            test["message"] = message[:2000]
+            test["message"] = _clip(message)
 
     def add_rows(self, rows: Iterable[Row]) -> None:
         self.rows.extend(rows)
@@ -116,3 +116,11 @@ class RunReport:
     def finish(self) -> Path:
         self.meta.update(finished=_now(), complete=True)
         return self.flush()
+
+
+def _clip(message: str, head: int = 1000, tail: int = 7000) -> str:
+    """A failure's text for the report: its start (where) and its end (the error, and the stacks a
+    hang report carries), the middle elided."""
+    if len(message) <= head + tail:
+        return message
+    return f"{message[:head]}\n[... {len(message) - head - tail} characters ...]\n{message[-tail:]}"

@@ -12,6 +12,7 @@ runs the entry's check on the variant and on the fixed path.
 Components:
   bridge      HF -> Megatron weights (harness.parity.variants, applied after loading)
   logprobs    how a batch is fed to Megatron (harness.parity.variants)
+  precision   the arithmetic a run claims (TF32 in an fp32 run; harness.backends.cuda_precision)
   training    the policy worker's step (harness.training.policy)
   checkpoint  save/resume (harness.checkpoint)
   rotation    a checkpoint root: async save, tracker, rotation, resume choice
@@ -27,13 +28,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
-Component = Literal["bridge", "logprobs", "training", "checkpoint", "rotation", "offload", "weight-sync"]
+Component = Literal["bridge", "logprobs", "precision", "training", "checkpoint", "rotation", "offload",
+                    "weight-sync"]
 Kind = Literal["negative-control", "upstream-bug"]
-COMPONENTS: tuple[str, ...] = ("bridge", "logprobs", "training", "checkpoint", "rotation", "offload",
-                               "weight-sync")
+COMPONENTS: tuple[str, ...] = ("bridge", "logprobs", "precision", "training", "checkpoint", "rotation",
+                               "offload", "weight-sync")
 # Which components each check runs (the parity check covers the weights and the feeding).
 CHECKS: dict[str, tuple[str, ...]] = {
-    "parity": ("bridge", "logprobs"),
+    "parity": ("bridge", "logprobs", "precision"),
     "training": ("training",),
     "checkpoint": ("checkpoint",),
     "crash-safety": ("rotation",),
@@ -66,9 +68,17 @@ class Variant:
     # The dtypes it can show in (a bug in what only bf16 has, e.g. separate fp32 master params).
     dtypes: tuple[str, ...] = ("fp32", "bf16")
     engine: str = "hf"  # weight-sync: the rollout engine it shows on ("vllm": the CPU tier only)
+    devices: tuple[str, ...] = ("cpu", "cuda")  # where it can show (TF32 exists on CUDA only)
+    # The environment of the ranks it runs on (a world of its own): what must be set before CUDA starts.
+    world_env: tuple[tuple[str, str], ...] = ()
+    # () -> None, or why it cannot show with what is installed here (e.g. which Adam megatron-core uses).
+    needs: Callable[[], str | None] | None = None
 
     def why_not(self, layout, config) -> str | None:
         return self.requires(layout, config) if self.requires else None
+
+    def why_not_here(self) -> str | None:
+        return self.needs() if self.needs else None
 
 
 # ------------------------------------------------------------------------------- applicability
@@ -116,6 +126,18 @@ def _needs_a_cross_rank_grad_reduction(layout, config) -> str | None:
     return "needs a gradient reduced across ranks (dp >= 2, tp >= 2 with QK-norm or SP, or tied PP)"
 
 
+def _needs_torch_adam() -> str | None:
+    """megatron-core takes TE's FusedAdam (else Apex's) whenever it imports, for either layer spec,
+    and falls back to torch's Adam only without both (megatron/core/optimizer/__init__.py)."""
+    import importlib.util
+
+    for package, name in (("transformer_engine", "Transformer Engine's"), ("apex", "Apex's")):
+        if importlib.util.find_spec(package) is not None:
+            return (f"needs torch's Adam: megatron-core uses {name} FusedAdam here ({package} is installed), "
+                    "which keeps its step in the param groups, so the per-parameter step cannot be shared")
+    return None
+
+
 # ------------------------------------------------------------------------------------- catalog
 _ENTRIES: tuple[Variant, ...] = (
     Variant("swapped-gate-up", "bridge", "negative-control",
@@ -155,6 +177,15 @@ _ENTRIES: tuple[Variant, ...] = (
             "logprob parity vs HF at pp >= 2 on a tied model: every metric",
             upstream="mbridge PR 14 (lm_head.weight not found with tied embeddings under PP)",
             requires=_needs_tied_pp, default_layout="pp2", model="tiny-qwen3-tied"),
+    Variant("tf32-in-fp32", "precision", "negative-control",
+            "an fp32 run whose GEMMs use TF32 (10-bit mantissa): Transformer Engine's default for every "
+            "pure-fp32 GEMM, torch's allow_tf32=True on the local spec",
+            "fp32 logprobs off by ~3e-3 (TE on an H100: 2.7e-3 to 6.6e-3) while the run claims fp32",
+            "logprob parity vs HF in fp32: max_abs, mean_abs",
+            upstream="Transformer Engine: CUBLAS_COMPUTE_32F_FAST_TF32 for fp32 GEMMs "
+                     "(transformer_engine/common/gemm/cublaslt_gemm.cu); seen by this harness on TE 2.20.2",
+            default_layout="tp1", dtypes=("fp32",), devices=("cuda",),
+            world_env=(("MRH_TF32", "1"),)),
     Variant("unmasked-padding", "logprobs", "upstream-bug",
             "left-padded rows fed to Megatron as they are: pads visible, positions shifted "
             "(Megatron's RoPE ignores position_ids)",
@@ -183,7 +214,7 @@ _ENTRIES: tuple[Variant, ...] = (
             "resume vs the uninterrupted run: next-step param_max_abs_diff (bit-exact at the same "
             "layout; fp32 bound at another)",
             upstream="megatron-core 0.16.1 DistributedOptimizer.load_state_dict without Apex/TE "
-                     "(found by this harness)", default_layout="tp2->tp2"),
+                     "(found by this harness)", default_layout="tp2->tp2", needs=_needs_torch_adam),
     Variant("rng-not-restored", "checkpoint", "upstream-bug",
             "the RNG states are not restored on resume (load_rng hard-coded off)",
             "with dropout on, the resumed step differs from the uninterrupted one",

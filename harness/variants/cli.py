@@ -51,7 +51,7 @@ def main(args) -> int:
     try:
         if not args.id:
             raise VariantError("name a catalog entry (mrh repro --list shows them)")
-        preflight(args.id, args.layout, args.dtype)
+        preflight(args.id, args.layout, args.dtype, device=args.device)
     except (VariantError, ValueError, FileNotFoundError) as exc:
         print(f"mrh repro: {exc}", file=sys.stderr)
         return 2

@@ -27,7 +27,8 @@ DTYPES = ("fp32", "bf16")
 
 @dataclass
 class Runner:
-    """Where the runs happen: `world_for(size)` gives a live world of that many ranks on the device,
+    """Where the runs happen: `world_for(size, env=None)` gives a live world of that many ranks on
+    the device (`env`: one of its own, for a variant that needs its ranks started so),
     `make_policy(layout, model, **config)` a PolicyHandle (the `policy` fixture, or
     `Runner.from_pool`'s), `workdir` holds checkpoints, `hf_cache` HF reference logprobs."""
 
@@ -37,6 +38,7 @@ class Runner:
     workdir: Path
     hf_cache: dict = field(default_factory=dict)
     cache: dict = field(default_factory=dict)  # what a check makes once per run (e.g. a reference)
+    spec: str = "local"  # the layer spec of its worlds (a crash trial's job starts a world of its own)
 
     @classmethod
     def from_pool(cls, pool, device: str, workdir: Path) -> "Runner":
@@ -46,7 +48,8 @@ class Runner:
         def make_policy(layout, model, **config):
             return PolicyHandle(pool.get(as_layout(layout).world_size, device), layout, model, **config)
 
-        return cls(device, lambda size: pool.get(size, device), make_policy, Path(workdir))
+        return cls(device, lambda size, env=None: pool.get(size, device, env=env), make_policy, Path(workdir),
+                   spec=pool.spec.get(device, "local"))
 
 
 @dataclass
@@ -115,9 +118,10 @@ def _parity(variant: Variant, layout: str, dtype: str, runner: Runner) -> tuple[
     from harness.parallel.layout import parse_layout
     from harness.parity.runner import ParityCase, run_parity
 
-    world = runner.world_for(parse_layout(layout).world_size)
+    size = parse_layout(layout).world_size
 
     def run(variant_id):
+        world = runner.world_for(size, env=dict(variant.world_env)) if variant_id else runner.world_for(size)
         result = run_parity(world, ParityCase(variant.model, layout, dtype, variant=variant_id),
                             hf_cache=runner.hf_cache, suite="sensitivity")
         return Run(result.passed, list(result.checks), result.summary(), result.rows)
@@ -172,7 +176,8 @@ def _crash_safety(variant: Variant, layout: str, dtype: str, runner: Runner) -> 
             return Run(result.passed, result.checks, result.summary(), result.rows())
 
         return overlap(variant.id), overlap(None)
-    config = CrashConfig(options["async_save"], options["keep"], layout=layout, device=runner.device, dtype=dtype)
+    config = CrashConfig(options["async_save"], options["keep"], layout=layout, device=runner.device, dtype=dtype,
+                         spec=runner.spec)
     made = []
 
     def resident():  # the policy both resumes load into, made only if a trial is not cached
@@ -213,7 +218,7 @@ def _weight_sync(variant: Variant, layout: str, dtype: str, runner: Runner) -> t
 
 
 _CHECKS: dict[str, Callable[[Variant, str, str, Runner], tuple[Run, Run]]] = {
-    "bridge": _parity, "logprobs": _parity, "training": _training, "checkpoint": _checkpoint,
+    "bridge": _parity, "logprobs": _parity, "precision": _parity, "training": _training, "checkpoint": _checkpoint,
     "rotation": _crash_safety, "offload": _offload, "weight-sync": _weight_sync,
 }
 
@@ -225,8 +230,8 @@ def _pair(layout: str) -> tuple[str, str]:
     return source, target
 
 
-def preflight(variant_id: str, layout: str | None, dtype: str, world_size_limit: int | None = None
-              ) -> tuple[Variant, str]:
+def preflight(variant_id: str, layout: str | None, dtype: str, world_size_limit: int | None = None,
+              device: str | None = None) -> tuple[Variant, str]:
     """(entry, layout) after checking everything a repro needs, before any rank starts: the id,
     the dtype, the layout(s) against the model and the variant. Raises VariantError."""
     from harness.models import load_hf_config
@@ -237,6 +242,10 @@ def preflight(variant_id: str, layout: str | None, dtype: str, world_size_limit:
         raise VariantError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if dtype not in variant.dtypes:
         raise VariantError(f"variant {variant.id!r} shows in {', '.join(variant.dtypes)} only, not {dtype}")
+    if device is not None and device not in variant.devices:
+        raise VariantError(f"variant {variant.id!r} shows on {', '.join(variant.devices)} only, not {device}")
+    if device is not None and variant.why_not_here():
+        raise VariantError(f"variant {variant.id!r} cannot show here: {variant.why_not_here()}")
     layout = layout or variant.default_layout
     config = load_hf_config(_model(variant))
     names = _pair(layout) if variant.component == "checkpoint" else (layout,)
@@ -273,7 +282,7 @@ def _model(variant: Variant) -> str:
 
 def reproduce(variant_id: str, *, layout: str | None = None, dtype: str = "bf16", runner: Runner) -> Repro:
     """Run the entry's check on the variant and on the fixed path (see the module docstring)."""
-    variant, layout = preflight(variant_id, layout, dtype)
+    variant, layout = preflight(variant_id, layout, dtype, device=runner.device)
     buggy, fixed = _CHECKS[variant.component](variant, layout, dtype, runner)
     return Repro(variant, layout, dtype, runner.device, buggy, fixed)
 

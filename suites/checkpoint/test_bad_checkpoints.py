@@ -108,3 +108,23 @@ def test_the_model_fingerprint_tells_rope_scaling_and_base_apart():
     assert plain["rope"]["rope_theta"] == 10000.0 and plain["rope"]["rope_type"] == "default"
     assert scaled["rope"]["rope_type"] == "llama3" and plain != scaled
     assert {k: v for k, v in plain.items() if k != "rope"} == {k: v for k, v in scaled.items() if k != "rope"}
+
+
+def test_a_checkpoint_of_the_other_layer_spec_is_refused(saved, device, spec, world_pool):
+    """TE fuses each layer norm into the linear layer after it, so a dist checkpoint of one spec
+    does not load into the other: one clear error before any rank works, nothing changed. Where
+    TE is installed (CUDA) the other spec's policy is real; elsewhere the manifest says te."""
+    from harness.bridge import specs
+    from harness.training.handles import PolicyHandle
+
+    directory, target, before = saved
+    if device == "cuda" and specs.installed():
+        other = PolicyHandle(world_pool.get(2, device, "local" if spec == "te" else "te"), "tp2", MODEL, **CONFIG)
+        before = other.hf_state_dict()
+        target = other
+    else:
+        manifest = read_manifest(directory)
+        (directory / MANIFEST).write_text(manifest.to_json().replace('"spec": "local"', '"spec": "te"'))
+    with pytest.raises(CheckpointError, match=r"saved from a \w+-spec policy, loading into a \w+-spec one"):
+        target.load(directory)
+    assert _unchanged(target, before)

@@ -41,20 +41,20 @@ class Bench:
     the uninterrupted reference once per session, a clean trial once per configuration (its training
     span is the window of the random kills), and one resident policy that every resume loads into."""
 
-    def __init__(self, device: str, make_policy, world_pool, workdir, cache: dict):
-        self.device, self.make_policy, self.world_pool = device, make_policy, world_pool
+    def __init__(self, device: str, spec: str, make_policy, world_pool, workdir, cache: dict):
+        self.device, self.spec, self.make_policy, self.world_pool = device, spec, make_policy, world_pool
         self.workdir, self.cache = workdir, cache
 
     def config(self, name: str) -> CrashConfig:
-        return dataclasses.replace(CONFIGS[name], layout=layout_for(self.device), device=self.device)
+        return dataclasses.replace(CONFIGS[name], layout=layout_for(self.device), device=self.device, spec=self.spec)
 
     def resident(self, config: CrashConfig):
         from harness.checkpoint.resume_check import MODEL
         from harness.parallel.state import as_layout
         from harness.training.handles import PolicyHandle
 
-        key = ("resident", config.layout, config.device, config.dtype)
-        world = self.world_pool.get(as_layout(config.layout).world_size, config.device)
+        key = ("resident", config.layout, config.device, config.dtype, config.spec)
+        world = self.world_pool.get(as_layout(config.layout).world_size, config.device, config.spec)
         handle, starts = self.cache.get(key, (None, None))
         if handle is None or handle.world is not world or starts != world.starts:  # a restarted world lost it
             handle = PolicyHandle(world, config.layout, MODEL, **config.policy_config)
@@ -70,8 +70,8 @@ class Bench:
 
 
 @pytest.fixture
-def bench(policy, device, world_pool, tmp_path_factory, crash_cache):
-    return Bench(device, policy, world_pool, tmp_path_factory.mktemp("crash"), crash_cache)
+def bench(policy, device, spec, world_pool, tmp_path_factory, crash_cache):
+    return Bench(device, spec, policy, world_pool, tmp_path_factory.mktemp("crash"), crash_cache)
 
 
 def _record(report, verdict, **extra) -> None:

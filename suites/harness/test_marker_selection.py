@@ -30,7 +30,9 @@ ALL = ("plain", "slow", "nightly", "upstream")
 
 
 def _ids(names, device: str) -> set[str]:
-    return {f"test_{name}[{device}]" for name in names}
+    """The ids under --mrh-spec local: the CPU tier's stays `cpu`, CUDA's names its layer spec."""
+    backend = "cuda-local" if device == "cuda" else device
+    return {f"test_{name}[{backend}]" for name in names}
 
 
 DAILY = ("plain", "slow", "upstream")  # what a run that does not ask for nightly keeps
@@ -54,7 +56,8 @@ WITH_NIGHTLY = {None: _ids(ALL, "cpu"), "gpu": _ids(ALL, "cuda"), "not slow": _i
 @pytest.mark.parametrize("markexpr", list(CASES), ids=lambda e: f"m={e}")
 def test_cuda_variants_only_when_the_expression_selects_gpu(pytester, markexpr):
     pytester.makepyfile(test_inner=INNER)
-    args = ["--collect-only", "-q", "-p", "no:cacheprovider", f"--mrh-report-dir={pytester.path / 'reports'}"]
+    args = ["--collect-only", "-q", "-p", "no:cacheprovider", "--mrh-spec=local",
+            f"--mrh-report-dir={pytester.path / 'reports'}"]
     result = pytester.runpytest(*args, *(["-m", markexpr] if markexpr else []))
     selected = {line.split("::", 1)[1] for line in result.outlines if line.startswith("test_inner.py::")}
     assert selected == CASES[markexpr]
@@ -63,7 +66,7 @@ def test_cuda_variants_only_when_the_expression_selects_gpu(pytester, markexpr):
 @pytest.mark.parametrize("markexpr", list(WITH_NIGHTLY), ids=lambda e: f"m={e}")
 def test_mrh_nightly_adds_the_nightly_sweeps(pytester, markexpr):
     pytester.makepyfile(test_inner=INNER)
-    args = ["--collect-only", "-q", "-p", "no:cacheprovider", "--mrh-nightly",
+    args = ["--collect-only", "-q", "-p", "no:cacheprovider", "--mrh-nightly", "--mrh-spec=local",
             f"--mrh-report-dir={pytester.path / 'reports'}"]
     result = pytester.runpytest(*args, *(["-m", markexpr] if markexpr else []))
     selected = {line.split("::", 1)[1] for line in result.outlines if line.startswith("test_inner.py::")}
@@ -82,3 +85,24 @@ def test_selects_gpu(markexpr, expected):
 def test_a_malformed_expression_is_a_usage_error():
     with pytest.raises(pytest.UsageError, match="not a valid marker expression"):
         selects_gpu("gpu and")
+
+
+def test_every_cuda_variant_runs_once_per_selected_layer_spec(pytester, monkeypatch):
+    """The spec is a dimension: --mrh-spec names it (auto: both where TE is installed), each CUDA
+    test runs once per spec; the CPU tier is local whatever is asked (TE has no CPU kernels)."""
+    from harness.bridge import specs
+
+    pytester.makepyfile(test_inner=INNER)
+    args = ["--collect-only", "-q", "-p", "no:cacheprovider", "-m", "gpu or not slow",
+            f"--mrh-report-dir={pytester.path / 'reports'}", "-k", "plain"]
+    monkeypatch.setattr(specs, "installed", lambda: True)  # the pytester run is in this process
+    both = pytester.runpytest(*args, "--mrh-spec=both")
+    assert {l.split("::", 1)[1] for l in both.outlines if l.startswith("test_inner.py::")} == {
+        "test_plain[cpu]", "test_plain[cuda-te]", "test_plain[cuda-local]"}
+    monkeypatch.setattr(specs, "installed", lambda: False)
+    auto = pytester.runpytest(*args)  # auto without TE: local only, no silent TE
+    assert {l.split("::", 1)[1] for l in auto.outlines if l.startswith("test_inner.py::")} == {
+        "test_plain[cpu]", "test_plain[cuda-local]"}
+    refused = pytester.runpytest(*args, "--mrh-spec=te")
+    assert refused.ret == pytest.ExitCode.USAGE_ERROR
+    refused.stderr.fnmatch_lines(["*--mrh-spec te needs Transformer Engine*not installed*"])

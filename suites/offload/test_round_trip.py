@@ -45,6 +45,10 @@ def test_a_full_offload_leaves_only_what_no_component_owns(policy, device, layou
     worker.offload()
     for rank, found in enumerate(worker.apply(residual)):
         assert found["held"] == {"params": 0, "grads": 0, "optimizer": 0}, f"rank {rank}: {found['held']}"
+        if worker.world.spec == "te":  # TE's cuBLAS workspaces are freed too (32 MiB each on Hopper; verl #6952's class)
+            report.add("te_workspaces_held", found["te_workspaces"], tolerance=0, passed=found["te_workspaces"] == 0,
+                       claim="exact", layout=layout, rank=rank)
+            assert found["te_workspaces"] == 0, f"rank {rank}: TE still holds {found['te_workspaces']} workspaces"
         if device == "cuda":
             unexplained = found["allocated_bytes"] - found["census_bytes"]
             report.add("residual_unexplained_bytes", unexplained, tolerance=0, passed=unexplained == 0, claim="exact",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from harness.bridge import te_available
 from harness.data.rl_batch import make_rl_batch
 from harness.data.strategies import rl_batches
 from harness.models import TINY_VOCAB_SIZE
@@ -87,14 +86,14 @@ def test_tp4_parity(world, device, layout, dtype, hf_cache, report):
     assert result.passed, result.summary()
 
 
-@pytest.mark.skipif(te_available(), reason="the packed path packs with a block-diagonal mask, which the "
-                    "local spec's attention takes; Transformer Engine packs through THD PackedSeqParams, "
-                    "which no machine of this project has to test (no TE wheel on CPU or on the GPU image)")
-@pytest.mark.layouts(cpu=["tp2", "pp2", "tp2-sp"], cuda=["tp2", "pp2", "tp2-sp"])
-def test_packed_sequences_match_hf(world, device, layout, hf_cache, report):
-    """The remove-padding path: each micro-batch's sequences packed into one row."""
-    case = ParityCase("tiny-qwen3", layout, "fp32", packing="packed")
-    result = run_parity(world, case, hf_cache=hf_cache, test=report.test)
+@pytest.mark.layouts(cpu=["tp2", "pp2", "tp2-sp"], cuda=["tp1", "tp2", "pp2", "tp2-sp"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_packed_sequences_match_hf(world, device, layout, dtype, hf_cache, report):
+    """The remove-padding path: each micro-batch's sequences packed into one row; on the local spec
+    with a block-diagonal causal mask, on the TE spec as verl and NeMo-RL feed it, THD with the
+    sequence boundaries (cu_seqlens) through TE's attention."""
+    case = ParityCase("tiny-qwen3", layout, dtype, packing="thd" if world.spec == "te" else "packed")
+    result = _run_or_skip_invalid(world, case, hf_cache=hf_cache, test=report.test)
     report.extend(result.rows)
     assert result.passed, result.summary()
 

@@ -25,12 +25,12 @@ def nodeid(name: str, params: str) -> str:
 def row(test: str, metric: str, value: float, *, passed: bool = True, tolerance: float | None = 1e-5,
         layout: str = "tp1", model: str = "tiny-qwen3", dtype: str = "fp32", device: str = "cpu",
         units: str = "", suite: str = "parity", extra: dict[str, Any] | None = None,
-        outcome: str | None = "passed", claim: str | None = None) -> dict[str, Any]:
+        outcome: str | None = "passed", claim: str | None = None, spec: str = "local") -> dict[str, Any]:
     """A row as the plugin writes it: the real Row dataclass, plus its test's outcome. The claim
     defaults to what its bound says (exact for a bound of 0, timing for a wall time)."""
     claim = claim or ("timing" if metric.endswith("_s") else of_bound(tolerance))
     record = Row(suite=suite, test=test, layout=layout, metric=metric, value=value,
-                 tolerance=tolerance, passed=passed, claim=claim, model=model, dtype=dtype, device=device,
+                 tolerance=tolerance, passed=passed, claim=claim, model=model, dtype=dtype, device=device, spec=spec,
                  units=units, extra=dict({"variant": None, "packing": "right"}, **(extra or {}))).as_dict()
     record["outcome"] = outcome
     return record

@@ -74,7 +74,7 @@ def test_a_row_past_its_bound_exits_1(tmp_path: Path, baseline, capsys) -> None:
     out = capsys.readouterr().out
     assert "**REGRESSED**: 1 rows regressed" in out
     line = next(l for l in out.splitlines() if "cpu-tp2-tiny-qwen3-fp32" in l)
-    assert "| max_abs | bounded | tp2 | tiny-qwen3 | fp32 | cpu |" in line
+    assert "| max_abs | bounded | tp2 | tiny-qwen3 | fp32 | cpu | local |" in line
 
 
 def test_an_exact_claim_that_breaks_exits_1(tmp_path: Path) -> None:

@@ -40,15 +40,17 @@ def runs():
     return {}
 
 
-def _dp2(rl_loop, report, runs, iterations):
-    if iterations not in runs:
-        runs[iterations] = _run(rl_loop, "dp2", report, iterations=iterations)
-    return runs[iterations]
+def _reference(rl_loop, report, runs, iterations, layout="dp2"):
+    """The run the other tests compare with (dp2; tp1 on one GPU), once per layer spec and length."""
+    spec = rl_loop.spec
+    if (spec, layout, iterations) not in runs:
+        runs[spec, layout, iterations] = _run(rl_loop, layout, report, iterations=iterations)
+    return runs[spec, layout, iterations]
 
 
-@pytest.mark.layouts(cpu=["dp2"], cuda=["dp2"])
+@pytest.mark.layouts(cpu=["dp2"], cuda=["tp1", "dp2"])
 def test_the_same_seed_gives_the_same_trajectory(rl_loop, device, layout, report, runs):
-    first = _dp2(rl_loop, report, runs, 3)
+    first = _reference(rl_loop, report, runs, 3, layout)
     again = _run(rl_loop, layout, iterations=3)
     if device == "cpu":
         assert _trajectory(again) == _trajectory(first)  # bit for bit
@@ -75,7 +77,7 @@ def test_the_same_seed_gives_the_committed_trajectory_on_any_machine(rl_loop, de
     if golden.versions() != want["versions"]:
         pytest.skip(f"recorded with {want['versions']}, this environment has {golden.versions()}: another "
                     "version may round differently (CI installs ci/constraints/harness-cpu.txt)")
-    got = golden.trajectory(_dp2(rl_loop, report, runs, golden.ITERATIONS))
+    got = golden.trajectory(_reference(rl_loop, report, runs, golden.ITERATIONS))
     mismatched = [w["iteration"] for w, g in zip(want["iterations"], got) if w != g]
     report.add("iterations_not_bit_equal", len(mismatched), tolerance=0, passed=not mismatched, layout=layout,
                model=golden.MODEL, dtype="fp32", claim="exact", against=str(golden.PATH.name))
@@ -85,7 +87,7 @@ def test_the_same_seed_gives_the_committed_trajectory_on_any_machine(rl_loop, de
 @pytest.mark.layouts(cpu=["tp2", "pp2"], cuda=["tp2", "pp2", "pp2vpp2", "tp2-sp"])
 def test_the_trajectory_is_the_same_at_every_layout(rl_loop, device, layout, report, runs):
     """Same rollouts (tokens), same rewards; grad norm within the training table's fp32 bound of dp2."""
-    want = _dp2(rl_loop, report, runs, 3)
+    want = _reference(rl_loop, report, runs, 3)
     got = _run(rl_loop, layout, report, iterations=3)
     bound = TRAINING.get("grad_norm_rel_diff", "fp32")
     for w, g in zip(want, got):
@@ -99,9 +101,9 @@ def test_the_trajectory_is_the_same_at_every_layout(rl_loop, device, layout, rep
         assert tmpe.passes(g.token_mult_prob_error), g
 
 
-@pytest.mark.layouts(cpu=["dp2"], cuda=["dp2"])
+@pytest.mark.layouts(cpu=["dp2"], cuda=["tp1", "dp2"])
 def test_the_reward_goes_up(rl_loop, device, layout, report, runs):
-    history = _dp2(rl_loop, report, runs, 8)
+    history = _reference(rl_loop, report, runs, 8, layout)
     rewards = [h.reward_mean for h in history]
     gain = sum(rewards[-3:]) / 3 - sum(rewards[:3]) / 3
     report.add("reward_gain_last3_minus_first3", gain, tolerance=REWARD_GAIN, passed=gain >= REWARD_GAIN, claim="bounded",
@@ -110,9 +112,9 @@ def test_the_reward_goes_up(rl_loop, device, layout, report, runs):
     assert all(math.isfinite(h.grad_norm) and h.grad_norm > 0 for h in history)
 
 
-@pytest.mark.layouts(cpu=["dp2"], cuda=["dp2"])
+@pytest.mark.layouts(cpu=["dp2"], cuda=["tp1", "dp2"])
 def test_colocation_offloads_around_generation_and_changes_nothing(rl_loop, device, layout, report, runs):
-    want = _dp2(rl_loop, report, runs, 3)
+    want = _reference(rl_loop, report, runs, 3, layout)
     loop = rl_loop(layout, iterations=3, colocate=True)
     states = []
     generate = loop.engine.generate
@@ -136,7 +138,7 @@ def test_colocation_offloads_around_generation_and_changes_nothing(rl_loop, devi
 def test_a_kl_penalty_brings_in_the_reference_and_changes_the_step(rl_loop, device, layout, runs, report):
     """kl_coef > 0: a frozen reference's logprobs enter the loss. Step 1 samples what the plain run
     sampled (same weights after step 0's zero KL), but its update differs once the policy moved."""
-    want = _dp2(rl_loop, report, runs, 3)
+    want = _reference(rl_loop, report, runs, 3)
     loop = rl_loop(layout, iterations=3, kl_coef=0.5)
     assert loop.reference is not None
     got = loop.run()

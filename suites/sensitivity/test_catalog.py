@@ -27,7 +27,7 @@ def _mrh(*args: str) -> subprocess.CompletedProcess:
 
 def test_each_component_implements_exactly_its_entries():
     ids = {c: {v.id for v in for_components(c)} for c in COMPONENTS}
-    assert set(PARITY) == ids["bridge"] | ids["logprobs"]
+    assert set(PARITY) == ids["bridge"] | ids["logprobs"] | ids["precision"]
     assert set(TRAINING) == ids["training"]
     assert set(CHECKPOINT) == ids["checkpoint"]
     assert set(ROTATION) == ids["rotation"]

@@ -5,7 +5,9 @@ compares in the exact regime there (the HF reference rounds where Megatron does,
 harness.logprobs.arithmetic). In the approximate regime (a plain HF reference and fused norm
 rounding: the arithmetic before issue 11, and what a user without the arranged reference gets)
 the coarse variants still fail by the margin, while a 1% norm scale or a 1% RoPE-base error hides
-inside bf16 rounding noise. These tests measure both.
+inside bf16 rounding noise. These tests measure both, and the check that catches the fine ones
+where the arithmetic cannot match (Transformer Engine's kernels, TP > 2): the bf16 model's state
+evaluated in fp32 (harness.parity.runner, `fp32_eval`), which the approximate regime turns on.
 """
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ from harness.tolerance import SENSITIVITY_MARGIN
 from harness.variants import for_components, get
 
 PARITY_VARIANTS = [v.id for v in for_components("bridge", "logprobs")]
-# The arithmetic of the parity check before issue 11: what users of a plain HF reference get.
-APPROXIMATE = dict(reference="plain", norm_precision="fused")
+# The arithmetic of the parity check before issue 11: what users of a plain HF reference get (the
+# bf16 comparison alone: no fp32 evaluation of the model's state).
+APPROXIMATE = dict(reference="plain", norm_precision="fused", fp32_eval=False)
 FINE = ["scaled-norm", "wrong-rope-base"]  # effects of the size of bf16 rounding noise
 
 
@@ -61,3 +64,24 @@ def test_fine_variants_hide_in_bf16_noise_unless_the_arithmetic_matches(world, d
     exact = _run(world, layout, variant, "bf16", hf_cache, report)
     assert approximate.passed and approximate.separation < 1, approximate.summary()
     assert exact.separation >= SENSITIVITY_MARGIN, exact.summary()
+
+
+@pytest.mark.layouts(cpu=["tp2"], cuda=["tp1", "tp2"])
+@pytest.mark.parametrize("variant", [None] + FINE)
+def test_where_the_arithmetic_cannot_match_the_fp32_evaluation_catches_fine_variants(world, device, layout,
+                                                                                     variant, hf_cache, report):
+    """The approximate regime (here a plain reference and fused norms on CPU: TE's case on CUDA)
+    with its fp32 evaluation of the bf16 model's state: the correct model passes, a 1% norm scale
+    and a 1% RoPE base fail by the margin (CPU, tiny-qwen3, tp2: by 2.9e5 and 1e4)."""
+    case = dict(reference="plain", norm_precision="fused") if world.spec == "local" else {}
+    result = run_parity(world, ParityCase(get(variant or "scaled-norm").model, layout, "bf16", variant=variant, **case),
+                        hf_cache=hf_cache, test=report.test)
+    report.extend(result.rows)
+    assert result.regime == "approximate" and "fp32" in result.evaluated_in, result.summary()
+    if variant is None:
+        assert result.passed, result.summary()
+    else:
+        report.add("separation", result.separation, tolerance=SENSITIVITY_MARGIN,
+                   passed=result.separation >= SENSITIVITY_MARGIN, claim="control", layout=layout,
+                   model=result.case.model, dtype="bf16", variant=variant, regime=result.regime, tolerance_kind="min")
+        assert result.separation >= SENSITIVITY_MARGIN, result.summary()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pytest
 
+from harness.bridge import specs
 from harness.variants import CATALOG, VariantError
 from harness.variants.repro import Runner, describe, preflight, reproduce
 
@@ -25,12 +26,13 @@ DTYPES = ("fp32", "bf16")
 SAME = ["tp2->tp2", "pp2->pp2", "dp2->dp2"]
 # Where each component's entries run (a variant that cannot show somewhere is left out there); a
 # machine of one GPU adds tp1, so that one GPU still shows every variant that can show there.
-WHERE = {"bridge": ["tp2", "pp2", "dp2"], "logprobs": ["tp2", "pp2", "dp2"],
+WHERE = {"bridge": ["tp2", "pp2", "dp2"], "logprobs": ["tp2", "pp2", "dp2"], "precision": ["tp2"],
          "training": ["tp2", "pp2", "dp2"], "weight-sync": ["tp2", "pp2", "dp2"]}
 CHECKPOINT_WHERE = {"shared-adam-step": [(w, DTYPES) for w in SAME] + [("tp2->pp2", ("fp32",))],
                     "rng-not-restored": [(w, DTYPES) for w in SAME],
                     "dp-reshardable": [(w, DTYPES) for w in ("tp2->pp2", "pp2->tp2", "dp2->tp2")]}
-ONE_GPU = {"bridge": "tp1", "logprobs": "tp1", "training": "tp1", "checkpoint": "tp1->tp1", "rotation": "tp1",
+ONE_GPU = {"bridge": "tp1", "logprobs": "tp1", "precision": "tp1", "training": "tp1", "checkpoint": "tp1->tp1",
+           "rotation": "tp1",
            "offload": "tp1", "weight-sync": "tp1"}
 # Rotation variants (crash trials, harness.checkpoint.crash): what they break is the order of file
 # operations, the same in either dtype; CI runs them in fp32, the nightly run in bf16 too.
@@ -52,6 +54,8 @@ def _applies(variant_id: str, where: str, dtype: str) -> bool:
 def _places(variant, device: str):
     if device == "cuda" and variant.engine == "vllm":
         return []  # vLLM is installed on the CPU tier only (the GPU image has none; README: vLLM)
+    if device not in variant.devices:
+        return []  # e.g. TF32 exists on CUDA only
     places = (CHECKPOINT_WHERE[variant.id] if variant.component == "checkpoint" else
               ROTATION_WHERE if variant.component == "rotation" else
               OFFLOAD_WHERE if variant.component == "offload" else [(w, DTYPES) for w in WHERE[variant.component]])
@@ -72,41 +76,56 @@ def _nightly(variant, where: str, dtype: str, device: str) -> bool:
 
 
 def _cases():
-    for device in ("cpu", "cuda"):
+    # The backends: cpu (local spec), and CUDA on every spec this machine could run (the runner
+    # skips a spec that --mrh-spec did not select, saying so).
+    for device, spec in [("cpu", "local")] + [("cuda", s) for s in specs.selected("auto", "cuda")]:
         marks = [pytest.mark.gpu] if device == "cuda" else []
+        name = device if device == "cpu" else f"{device}-{spec}"
         for variant in CATALOG.values():
             for where, dtypes in _places(variant, device):
                 for dtype in dtypes:
                     if _applies(variant.id, where, dtype):
                         nightly = [pytest.mark.nightly] if _nightly(variant, where, dtype, device) else []
-                        yield pytest.param(device, variant.id, where, dtype,
-                                           id=f"{device}-{variant.id}-{where}-{dtype}", marks=marks + nightly)
+                        yield pytest.param(device, spec, variant.id, where, dtype,
+                                           id=f"{name}-{variant.id}-{where}-{dtype}", marks=marks + nightly)
 
 
 CASES = list(_cases())
 
 
 def test_every_entry_runs_somewhere_in_every_dtype_it_claims():
-    ran = {(p.values[1], p.values[3]) for p in CASES if p.values[0] == "cpu"}
-    assert ran == {(v.id, d) for v in CATALOG.values() for d in v.dtypes}
+    """On the CPU tier every entry that can show there; a CUDA-only entry (TF32) on every CUDA spec."""
+    ran = {(p.values[2], p.values[4]) for p in CASES if p.values[0] == "cpu"}
+    assert ran == {(v.id, d) for v in CATALOG.values() for d in v.dtypes if "cpu" in v.devices}
+    on_cuda = {(p.values[1], p.values[2], p.values[4]) for p in CASES if p.values[0] == "cuda"}
+    assert {(s, v.id, d) for v in CATALOG.values() if v.devices == ("cuda",) for d in v.dtypes
+            for s in specs.selected("auto", "cuda")} <= on_cuda
     assert all(set(v.dtypes) <= set(DTYPES) for v in CATALOG.values())
 
 
 @pytest.fixture
-def runner(policy, world_pool, device, tmp_path, hf_cache, crash_cache) -> Runner:
-    def world_for(size: int):
+def runner(request, policy, world_pool, device, spec, tmp_path, hf_cache, crash_cache) -> Runner:
+    from harness.pytest_plugin.collection import selected_specs
+
+    if spec not in selected_specs(request.config, device):
+        pytest.skip(f"the {spec} spec is not selected (--mrh-spec)")
+
+    def world_for(size: int, env=None):
         if device == "cuda":
             import torch
 
             if torch.cuda.device_count() < size:
                 pytest.skip(f"needs {size} GPUs")
-        return world_pool.get(size, device)
+        return world_pool.get(size, device, spec, env=env)
 
-    return Runner(device, world_for, policy, tmp_path, hf_cache, crash_cache)
+    return Runner(device, world_for, policy, tmp_path, hf_cache, crash_cache, spec=spec)
 
 
-@pytest.mark.parametrize("device, variant, where, dtype", CASES)
+@pytest.mark.parametrize("device, spec, variant, where, dtype", CASES)
 def test_variant_is_caught_by_a_margin_and_the_fix_passes(runner, variant, where, dtype, report):
+    why = CATALOG[variant].why_not_here()
+    if why:  # the catalog says why (e.g. megatron-core's Adam here is TE's FusedAdam)
+        pytest.skip(why)
     repro = reproduce(variant, layout=where, dtype=dtype, runner=runner)
     report.extend(repro.rows())
     assert repro.fix_holds, describe(repro)
