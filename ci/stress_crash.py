@@ -10,8 +10,15 @@ must pass every time: a fault point is reached for certain whatever the machine'
 
     .venv/bin/python ci/stress_crash.py --repeats 20 --load 1 --out reports/stress/<date>-crash-cpu
 
-Writes OUT/results.json (machine fingerprint, settings, per-test counts, every repetition's
-failures) and OUT/README.md (the table), progress on stderr; exit 0 with 0 flakes, 1 otherwise.
+Writes OUT/results.json (machine fingerprint, settings, per-test counts, every session's failures
+with the failing test's full report: a hung trial carries its processes' stacks) and OUT/README.md
+(the table), rewritten after every session, progress on stderr; exit 0 with 0 flakes, 1 otherwise.
+`--parallel N` runs N sessions at once (a machine with many cores; they load each other too);
+`--time-limit S` starts no session after S seconds (a bounded run, e.g. on a lent machine);
+`--slice I` runs only slice I. Under `taskset -c A,B` the run, its busy processes and its sessions
+share those cores only: several such runs on a big machine are several small CI machines.
+`--merge A B ... --out C` adds up runs made on several machines into one report, each machine's
+fingerprint kept.
 """
 from __future__ import annotations
 
@@ -21,8 +28,10 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,35 +60,69 @@ def _session(args: list[str], run_dir: Path) -> dict:
             "tail": done.stdout[-2000:]}
 
 
-def _write_report(args, counts, failures, sessions, busy: int, started: float, *, done: bool) -> int:
-    """OUT/results.json and OUT/README.md as they stand (rewritten after every session, atomically:
-    a stopped run keeps what it did); returns the flakes so far."""
-    from harness.report.fingerprint import environment_fingerprint
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
-    flakes = len(failures)
-    repeats_done = len({s["repeat"] for s in sessions if s["slice"] == len(SLICES) - 1})
-    document = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "repeats": args.repeats,
-                "repeats_done": repeats_done, "complete": done, "load_per_core": args.load,
-                "busy_processes": busy, "slices": SLICES,
-                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-                "hours": round((time.time() - started) / 3600, 2),
-                "fingerprint": environment_fingerprint(), "flakes": flakes,
-                "tests": {n: dict(c) for n, c in sorted(counts.items())}, "failures": failures, "sessions": sessions}
-    fp = document["fingerprint"]
-    status = "" if done else f" (stopped or running: {repeats_done} of {args.repeats} repetitions done)"
-    lines = [f"# Crash injection under load: {flakes} flakes in {repeats_done} repetitions{status}", "",
-             f"`{document['command']}` at {fp.get('git_commit', '?')[:12]}{' (dirty)' if fp.get('git_dirty') else ''}, "
-             f"{document['started']}, {document['hours']} h; {fp.get('cpu_model')} ({fp.get('cpu_count')} cores, "
-             f"{', '.join(fp.get('cpu_flags') or [])}), {busy} busy processes competing; torch {fp.get('torch')}, "
-             f"megatron-core {fp.get('megatron-core')}.", "",
-             "| test | passed | failed/error |", "|---|---|---|"]
-    for nodeid, c in sorted(counts.items()):
+
+class Tally:
+    """Per-test outcome counts, failures and sessions, as one run or the sum of several."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, Counter] = defaultdict(Counter)
+        self.failures: list[dict] = []
+        self.sessions: list[dict] = []
+        self.runs: list[dict] = []  # each run's settings and machine
+
+    def add_session(self, rep: int, index: int, result: dict) -> None:
+        self.sessions.append({"repeat": rep, "slice": index, "exit": result["exit"], "seconds": result["seconds"]})
+        if not result["tests"]:
+            self.failures.append({"repeat": rep, "nodeid": f"<slice {index} session>", "outcome": "no report",
+                                  "message": result["tail"]})
+        for nodeid, (outcome, message) in result["tests"].items():
+            self.counts[nodeid][outcome] += 1
+            if outcome != "passed":
+                self.failures.append({"repeat": rep, "nodeid": nodeid, "outcome": outcome, "message": message})
+
+    def add_document(self, document: dict) -> None:
+        for nodeid, counts in document["tests"].items():
+            self.counts[nodeid].update(counts)
+        self.failures += document["failures"]
+        self.sessions += document["sessions"]
+        self.runs += document.get("runs") or [_run_of(document)]
+
+
+def _run_of(document: dict) -> dict:
+    return {k: document.get(k) for k in ("command", "started", "hours", "load_per_core", "busy_processes",
+                                        "parallel", "fingerprint")}
+
+
+def _write_report(out: Path, tally: Tally, run: dict, *, done: bool) -> int:
+    """OUT/results.json and OUT/README.md as they stand (atomically: a stopped run keeps what it
+    did); returns the flakes so far."""
+    flakes = len(tally.failures)
+    per_case = min((sum(c.values()) for c in tally.counts.values()), default=0)
+    document = {**run, "runs": tally.runs or [run], "slices": SLICES, "complete": done, "flakes": flakes,
+                "repetitions_per_case": per_case,
+                "tests": {n: dict(c) for n, c in sorted(tally.counts.items())},
+                "failures": tally.failures, "sessions": tally.sessions}
+    status = "" if done else " (stopped or still running)"
+    lines = [f"# Crash injection under load: {flakes} flakes, at least {per_case} repetitions per case{status}", ""]
+    for r in document["runs"]:
+        fp = r.get("fingerprint") or {}
+        lines.append(f"- `{r.get('command')}` at {str(fp.get('git_commit', '?'))[:12]}"
+                     f"{' (dirty)' if fp.get('git_dirty') else ''}, {r.get('started')}, {r.get('hours')} h; "
+                     f"{fp.get('cpu_model')} ({fp.get('cpu_count')} cores, {', '.join(fp.get('cpu_flags') or [])}), "
+                     f"{r.get('busy_processes')} busy processes competing, {r.get('parallel') or 1} session(s) at once; "
+                     f"python {fp.get('python')}, torch {fp.get('torch')}, megatron-core {fp.get('megatron-core')}.")
+    lines += ["", "| test | passed | failed/error |", "|---|---|---|"]
+    for nodeid, c in sorted(tally.counts.items()):
         lines.append(f"| `{nodeid}` | {c['passed']} | {sum(v for k, v in c.items() if k != 'passed')} |")
-    if failures:
+    if tally.failures:
         lines += ["", "## Failures", ""] + [f"- repeat {f['repeat']}: `{f['nodeid']}` {f['outcome']}: "
-                                            f"{f['message'][-600:]}" for f in failures]
-    _write_atomically(args.out / "results.json", json.dumps(document, indent=1, default=str) + "\n")
-    _write_atomically(args.out / "README.md", "\n".join(lines) + "\n")
+                                            f"{' '.join(f['message'][-600:].split())}" for f in tally.failures]
+    out.mkdir(parents=True, exist_ok=True)
+    _write_atomically(out / "results.json", json.dumps(document, indent=1, default=str) + "\n")
+    _write_atomically(out / "README.md", "\n".join(lines) + "\n")
     return flakes
 
 
@@ -92,39 +135,67 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _merge(inputs: list[Path], out: Path) -> int:
+    tally = Tally()
+    for path in inputs:
+        path = path / "results.json" if path.is_dir() else path
+        if not path.is_file():
+            raise SystemExit(f"stress_crash.py: no stress results at {path}")
+        tally.add_document(json.loads(path.read_text()))
+    run = {"command": "stress_crash.py --merge " + " ".join(str(p) for p in inputs)}
+    flakes = _write_report(out, tally, run, done=True)
+    print(f"{flakes} flakes; {out}/README.md", file=sys.stderr)
+    return 1 if flakes else 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--load", type=int, default=1, help="busy processes per core (default 1)")
+    parser.add_argument("--parallel", type=int, default=1, help="sessions at once (default 1)")
+    parser.add_argument("--time-limit", type=float, default=None, help="start no session after this many seconds")
+    parser.add_argument("--slice", type=int, action="append", choices=range(len(SLICES)),
+                        help="run only this slice (repeatable; default all)")
+    parser.add_argument("--merge", type=Path, nargs="+", help="add up these runs' results (files or folders)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    if args.merge:
+        return _merge(args.merge, args.out)
     sys.path.insert(0, str(REPO))
+    from harness.report.fingerprint import environment_fingerprint
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    counts: dict[str, Counter] = defaultdict(Counter)
-    failures, sessions = [], []
-    busy = _busy(args.load * (os.cpu_count() or 1))
+    tally, lock = Tally(), threading.Lock()
+    busy = _busy(args.load * _cores())  # a `taskset` run loads only its own cores
     started = time.time()
+    run = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "load_per_core": args.load,
+           "busy_processes": len(busy), "parallel": args.parallel,
+           "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+           "fingerprint": environment_fingerprint()}
+    jobs = [(rep, index) for rep in range(args.repeats) for index in range(len(SLICES))
+            if not args.slice or index in args.slice]
+
+    def one(job: tuple[int, int], tmp: str) -> None:
+        rep, index = job
+        if args.time_limit is not None and time.time() - started > args.time_limit:
+            return
+        result = _session(SLICES[index], Path(tmp) / f"r{rep}-s{index}")
+        with lock:
+            tally.add_session(rep, index, result)
+            run["hours"] = round((time.time() - started) / 3600, 2)
+            _write_report(args.out, tally, run, done=False)
+            print(f"repeat {rep + 1}/{args.repeats} slice {index}: {len(result['tests'])} tests, exit "
+                  f"{result['exit']}, {result['seconds']} s, failures so far {len(tally.failures)}", file=sys.stderr)
+
     try:
-        with tempfile.TemporaryDirectory(prefix="mrh-stress-") as tmp:
-            for rep in range(args.repeats):
-                for index, slice_args in enumerate(SLICES):
-                    result = _session(slice_args, Path(tmp) / f"r{rep}-s{index}")
-                    sessions.append({"repeat": rep, "slice": index, "exit": result["exit"], "seconds": result["seconds"]})
-                    if not result["tests"]:
-                        failures.append({"repeat": rep, "nodeid": f"<slice {index} session>", "outcome": "no report",
-                                         "message": result["tail"]})
-                    for nodeid, (outcome, message) in result["tests"].items():
-                        counts[nodeid][outcome] += 1
-                        if outcome != "passed":
-                            failures.append({"repeat": rep, "nodeid": nodeid, "outcome": outcome, "message": message})
-                    _write_report(args, counts, failures, sessions, len(busy), started, done=False)
-                    print(f"repeat {rep + 1}/{args.repeats} slice {index}: {len(result['tests'])} tests, exit "
-                          f"{result['exit']}, {result['seconds']} s, failures so far {len(failures)}", file=sys.stderr)
+        with tempfile.TemporaryDirectory(prefix="mrh-stress-") as tmp, \
+                ThreadPoolExecutor(max_workers=args.parallel) as pool:
+            for future in [pool.submit(one, job, tmp) for job in jobs]:
+                future.result()
     finally:
         for proc in busy:
             proc.kill()
-    flakes = _write_report(args, counts, failures, sessions, len(busy), started, done=True)
+    run["hours"] = round((time.time() - started) / 3600, 2)
+    flakes = _write_report(args.out, tally, run, done=True)
     print(f"{flakes} flakes; {args.out}/README.md", file=sys.stderr)
     return 1 if flakes else 0
 

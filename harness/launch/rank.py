@@ -146,7 +146,7 @@ def _init_process_group(spec: RankSpec) -> None:
         cpu_arithmetic.pin()  # the parent's pin came in the environment: check that it took
         cpu_patches.install()
         # Ranks share the machine's cores: more intra-op threads than cores/ranks only spin.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
+        torch.set_num_threads(max(1, _usable_cores() // spec.world_size))
         backend = "gloo"
     dist.init_process_group(
         backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout
@@ -219,6 +219,11 @@ def _serve(spec: RankSpec, conn: Connection) -> None:
         if message is None:  # orderly stop
             return
         conn.send(execute(spec, message))
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on (a taskset or cpuset limits them), not the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def prepare(spec: RankSpec, *, stack_signal: bool = True) -> None:
