@@ -160,7 +160,7 @@ def live_workers(*_) -> dict[str, int]:
     held = sum(t.untyped_storage().nbytes() for b in buffers for t in (b.param_data, b.grad_data) if t is not None)
     return {"workers": sum(isinstance(o, (PolicyWorker, ReferenceWorker)) for o in objects),
             "ddp_buffer_bytes": held,
-            "allocated_bytes": torch.cuda.memory_allocated() if torch.cuda.is_available() else 0}
+            "allocated_bytes": torch.cuda.memory_allocated() if torch.cuda.is_initialized() else 0}
 
 
 def _device_total(accounting: dict[str, Any]) -> int:

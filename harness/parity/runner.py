@@ -150,7 +150,7 @@ def _rank_parity(layout: Layout, path: str, dtype: torch.dtype, batch: RLBatch, 
     hf_fp32 = (_hf_reference(path, dtype, batch, *(arranged or (None, None)), compute=torch.float32)
                if want_hf and fp32_eval else None)
     gc.collect()
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
     return result, hf, evaluated, hf_fp32
 

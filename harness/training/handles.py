@@ -79,7 +79,7 @@ def _drop(layout: Layout, key: str) -> None:
     # of the model and the optimizer) goes now, not in an automatic gc during a later call: on the
     # H100 such a gc freed 512 bytes in the middle of the next test's exact offload measurement.
     gc.collect()
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():  # a CUDA rank (a CPU rank on a GPU host must not touch CUDA)
         torch.cuda.empty_cache()  # hand the freed model and optimizer memory back
 
 

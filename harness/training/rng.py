@@ -38,7 +38,7 @@ def capture() -> dict[str, Any]:
 
     return {"random": random.getstate(), "numpy": np.random.get_state(),
             "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None,  # a CUDA rank
             "tracker": {name: _clone(state) for name, state
                         in tensor_parallel.get_cuda_rng_tracker().get_states().items()}}
 
@@ -50,7 +50,7 @@ def restore(state: dict[str, Any]) -> None:
     random.setstate(state["random"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
+    if state["cuda"] is not None and torch.cuda.is_initialized():
         torch.cuda.set_rng_state(state["cuda"])
     tracker = tensor_parallel.get_cuda_rng_tracker()
     if state["tracker"]:
