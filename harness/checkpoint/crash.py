@@ -121,6 +121,10 @@ def _drive(config: dict[str, Any], root: str, events: str, plan: dict[str, Any] 
     from harness.parallel.state import as_layout
 
     cfg = CrashConfig(**config)
+    if cfg.device == "cpu":  # before anything here asks CUDA: the ranks it forks inherit that
+        from harness.launch.rank import hide_gpus
+
+        hide_gpus()
     env = {}
     if plan is not None:  # the fault points record into the event file (harness.checkpoint.faults)
         env[ENV] = FaultPlan(**{**plan, "session": os.getsid(0), "log": events}).to_env()
@@ -132,7 +136,8 @@ def _drive(config: dict[str, Any], root: str, events: str, plan: dict[str, Any] 
     except BaseException as exc:  # the job failed without a crash: say so, leave no rank behind
         import traceback
 
-        _event(events, event="error", error="".join(traceback.format_exception(exc))[-4000:])
+        text = "".join(traceback.format_exception(exc))  # a rank's traceback comes first (the cause)
+        _event(events, event="error", error=text if len(text) < 12000 else f"{text[:8000]}\n[...]\n{text[-4000:]}")
         raise
     finally:
         world.close()

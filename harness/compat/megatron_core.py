@@ -101,7 +101,13 @@ def ensure_optimizer_state(optimizer) -> None:
     """`NEVER_STEPPED_ADAM`: give a never-stepped optimizer the state tensors a load overwrites
     (zero moments, step 0: what torch Adam's first step would start from)."""
     if not uses_torch_adam(optimizer):
-        return  # TE's or Apex's FusedAdam: megatron-core's init_state_fn fills a never-stepped one
+        # TE's or Apex's FusedAdam (step in its param groups): megatron-core's own init_state_fn
+        # gives the zero moments. It calls it only on a load, so a save before the first step
+        # would fail (KeyError 'exp_avg', seen on the H100 with TE 2.20.2): call it here too.
+        for dist_opt in _distributed_optimizers(optimizer):
+            if getattr(dist_opt, "init_state_fn", None) is not None:
+                dist_opt.init_state_fn(dist_opt.optimizer, getattr(dist_opt, "config", None))
+        return
     require(NEVER_STEPPED_ADAM)
     for inner in _torch_adams(optimizer):
         for group in inner.param_groups:

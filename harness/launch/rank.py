@@ -157,6 +157,13 @@ def _init_process_group(spec: RankSpec) -> None:
 QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}
 
 
+def hide_gpus() -> None:
+    """A CPU process on a GPU host sees no GPU. torch touches CUDA where one is visible even for CPU
+    tensors (torch.optim.Adam's graph-capture check), and in a process forked from one that had
+    started CUDA that call fails (cudaErrorInitializationError): hidden, CUDA never starts."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
 def _setup_environment(spec: RankSpec) -> None:
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
@@ -167,6 +174,8 @@ def _setup_environment(spec: RankSpec) -> None:
         for key, value in {**CUDA_SAFETY_ENV, **CUDA_DETERMINISM_ENV}.items():
             os.environ.setdefault(key, value)
         cuda_precision.pin()  # before CUDA starts here: cuBLAS reads its TF32 override once
+    else:
+        hide_gpus()
     os.environ.update(
         RANK=str(spec.rank),
         LOCAL_RANK=str(spec.rank),
