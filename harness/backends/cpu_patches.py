@@ -108,6 +108,12 @@ def install() -> None:
     # 2.13), where Megatron's sequence-parallel gathers allocate on current_device().
     _patch(torch.cuda, "current_device", lambda: _CPU)
     _patch(torch.cuda, "synchronize", _ignore)  # pipeline p2p calls it unconditionally
+    # On a GPU host a CPU rank behaves as on the CPU machines CI runs on: no CUDA. torch caches its
+    # device count, so a rank forked from a process that had counted still "sees" the GPU that
+    # CUDA_VISIBLE_DEVICES hides; its Adam then asks CUDA whether it is capturing a graph, for CPU
+    # tensors, and fails (cudaErrorInitializationError / NoDevice; torch 2.11 on the H100 host).
+    _patch(torch.cuda, "is_available", lambda: False)
+    _patch(torch.optim.Optimizer, "_accelerator_graph_capture_health_check", _ignore)
     try:
         from megatron.core.tensor_parallel import random as mcore_random
     except ImportError:  # the world itself works without megatron-core
