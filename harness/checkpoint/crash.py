@@ -36,7 +36,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.checkpoint.faults import ENV, FaultPlan, append_record, kill_session, read_records, session_pids
+from harness.checkpoint.faults import (ENV, FaultPlan, append_record, dying, kill_session, read_records,
+                                      session_pids)
 
 FAULT_ITERATION = 3  # the save a named fault point applies to: two saves exist before it, and
 # rotation runs in it at keep=1 and keep=2
@@ -240,20 +241,28 @@ def run_trial(config: CrashConfig, root: str | os.PathLike, *, point: str | None
         kill_session(sid, include_self=False)
         proc.join(timeout=10)
         raise TimeoutError(f"crash trial {config.name} ({how}) did not end within {timeout:.0f}s\n{stacks}")
-    # (d) nothing of the job may outlive it; ranks need up to ~1 s to notice a driver-only kill.
-    left = session_pids(sid)
-    end = time.monotonic() + grace
-    while left and time.monotonic() < end:
-        time.sleep(0.2)
-        left = session_pids(sid)
-    orphans = [_describe(pid) for pid in left]
-    if left:
+    orphans = _orphans(sid, grace)
+    if orphans:
         kill_session(sid, include_self=False)
     outcome = Outcome(config, root, how, _read_events(events), proc.exitcode, orphans, killed_at)
     if point is not None and not outcome.error and not outcome.reached(point):
         raise FaultNotReached(f"crash trial {config.name}: the job ended ({'completed' if outcome.completed else 'killed'}) "
                               f"without reaching fault point {point} of the save of iteration {FAULT_ITERATION}")
     return outcome
+
+
+def _orphans(sid: int, grace: float, exit_s: float = 120.0) -> list[str]:
+    """(d) Nothing of the job may outlive it: the processes of its session still there once every
+    process not yet killed had `grace` seconds to go (ranks need ~1 s to notice a driver-only kill
+    and kill their writers) and every killed one `exit_s` to finish exiting (a SIGKILLed process
+    under load, or in the middle of a disk write, takes its time: that is no survivor)."""
+    start = time.monotonic()
+    while True:
+        left = session_pids(sid)
+        waited = time.monotonic() - start
+        if not left or waited > exit_s or (waited > grace and not all(dying(pid) for pid in left)):
+            return [_describe(pid) for pid in left]
+        time.sleep(0.2)
 
 
 def _stacks_of_hung_job(sid: int, events: Path, wait_s: float = 3.0) -> str:

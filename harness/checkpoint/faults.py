@@ -183,14 +183,28 @@ def session_pids(session: int) -> list[int]:
     return pids
 
 
-def kill_session(session: int | None, *, include_self: bool = True, passes: int = 5) -> int:
-    """SIGKILL every process of `session` (again until none is left: a process may fork while
-    we kill); returns how many were killed. Refuses a session this process is not in."""
+def dying(pid: int) -> bool:
+    """`pid` has a SIGKILL pending (it is on its way out: under load, or while the kernel finishes
+    its disk writes, a killed process can take seconds to go) or has already let go of its memory."""
+    try:
+        with open(f"/proc/{pid}/status") as handle:
+            fields = dict(line.split(":", 1) for line in handle if ":" in line)
+    except OSError:
+        return True  # gone
+    pending = int(fields.get("SigPnd", "0").strip(), 16) | int(fields.get("ShdPnd", "0").strip(), 16)
+    return bool(pending & (1 << (signal.SIGKILL - 1))) or fields.get("VmSize") is None
+
+
+def kill_session(session: int | None, *, include_self: bool = True, within_s: float = 30.0) -> int:
+    """SIGKILL every process of `session`, again until every one left is dying (a process may
+    fork while we kill: its child is in the next listing); returns how many were killed. Refuses
+    a session this process is not in."""
     if session is None or os.getsid(0) != session and include_self:
         raise RuntimeError(f"refusing to kill session {session}: this process is in session {os.getsid(0)}")
     me, killed = os.getpid(), 0
-    for _ in range(passes):
-        others = [pid for pid in session_pids(session) if pid != me]
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        others = [pid for pid in session_pids(session) if pid != me and not dying(pid)]
         if not others:
             break
         for pid in others:

@@ -4,6 +4,9 @@ The first tests run in this process (threads stand in for the writer); the last 
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
+import subprocess
 import threading
 
 import pytest
@@ -82,6 +85,21 @@ def test_kills_refuse_a_session_this_process_is_not_in():
         faults.kill_driver(os.getsid(0) + 1)
     with pytest.raises(RuntimeError, match="refusing"):
         faults.kill_session(os.getsid(0) + 1)
+
+
+def test_a_killed_process_is_dying_until_gone_and_a_live_one_is_not():
+    """What the orphan check waits for instead of counting it as a survivor: a process that was
+    SIGKILLed is on its way out (stopped first, so it cannot be gone before we look)."""
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        assert not faults.dying(proc.pid)
+        os.kill(proc.pid, signal.SIGSTOP)
+        os.kill(proc.pid, signal.SIGKILL)
+        assert faults.dying(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert faults.dying(proc.pid)  # gone
 
 
 def test_a_trial_whose_point_is_never_reached_is_an_error(device, tmp_path):
