@@ -74,14 +74,16 @@ def test_check_supported_versions(monkeypatch, mcore, refused):
         versions.check_supported_versions()
 
 
-def test_resolve_spec():
+def test_resolve_spec_never_guesses_from_what_is_installed(monkeypatch):
     assert resolve_spec("local") == "local"
-    with pytest.raises(ValueError, match="spec must be"):
-        resolve_spec("fast")
+    for bad in ("fast", "auto"):  # "auto" is a choice of the run (--mrh-spec), never of a model
+        with pytest.raises(ValueError, match="spec must be"):
+            resolve_spec(bad)
+    monkeypatch.delenv("MRH_LAYER_SPEC", raising=False)
+    assert resolve_spec(None) == "local"  # outside a world: the local spec, whatever is installed
     if versions.te_available():
-        assert resolve_spec("te") == resolve_spec("auto") == "te"
+        assert resolve_spec("te") == "te"
         return
-    assert resolve_spec("auto") == "local"
     with pytest.raises(RuntimeError, match="spec='te' requested but `import transformer_engine` fails"):
         resolve_spec("te")
 
