@@ -20,6 +20,7 @@ CPU_VLLM = "reports/cpu/2026-11-23-vllm/run/results.json"
 H200X2_RL = "reports/gpu/2026-11-23-h200x2-rl/rl/results.json"
 H200X2_PARITY = "reports/gpu/2026-11-23-h200x2/fixes/run/results.json"
 H200X2_RUN = "reports/gpu/2026-11-23-h200x2/parity-training-sensitivity/run/results.json"
+H100_FP8 = "reports/gpu/2026-11-24-h100-fp8/measure/fp8.json"
 
 NOTES = {
     CPU_BASELINE: "CPU/gloo baseline (make test)",
@@ -32,6 +33,7 @@ NOTES = {
     H200X2_RL: "2x H200, NCCL, suites/rollout (HF engine) at every 1- and 2-rank layout (issue 14 run, e52de58)",
     H200X2_PARITY: "2x H200, NCCL, the parity suite at every 1- and 2-rank layout (issue 11 run, 42c57bf)",
     H200X2_RUN: "2x H200, NCCL, the training suite at every 1- and 2-rank layout (issue 11 run, 9ef6392)",
+    H100_FP8: "1x H100, TE 2.20.2, FP8 vs bf16 logprobs at tp1 (tiny-qwen3/qwen2/llama, delayed and tensorwise; issue 24 run)",
 }
 
 

@@ -2,7 +2,8 @@
 
 A trial runs a training job in its own session: a driver process (the trainer's parent side,
 started from a forkserver that has imported torch and megatron-core, then `setsid`) with its own
-world of rank processes (forked from the driver on CPU, spawned on CUDA). The job trains
+world of rank processes forked from the driver (which never starts CUDA: on CUDA too, each rank
+then starts in ~1 s instead of 15-20 s of imports). The job trains
 `CrashConfig.steps` steps of the resume-check policy and saves after each through a `Checkpointer`
 (sync or async, `keep`). The job dies in one of three ways:
 
@@ -130,8 +131,13 @@ def _drive(config: dict[str, Any], root: str, events: str, plan: dict[str, Any] 
     if plan is not None:  # the fault points record into the event file (harness.checkpoint.faults)
         env[ENV] = FaultPlan(**{**plan, "session": os.getsid(0), "log": events}).to_env()
         os.environ[ENV] = env[ENV]  # the parent-side points
+    from harness.launch.world import cuda_started_here
+
+    # Fork the ranks: this driver imported everything (the forkserver's preload) and never started
+    # CUDA (the forkserver counts GPUs through NVML). Spawn only if something here started CUDA.
+    fork = cfg.device == "cpu" or not cuda_started_here()
     world = World(as_layout(cfg.layout).world_size, cfg.device, env=env, echo_output=False,
-                  start_method="fork" if cfg.device == "cpu" else "spawn", spec=cfg.spec)
+                  start_method="fork" if fork else "spawn", spec=cfg.spec)
     try:
         _train_and_save(cfg, world, root, events)
     except BaseException as exc:  # the job failed without a crash: say so, leave no rank behind
@@ -185,6 +191,12 @@ def _context():
     second instead of re-importing torch and megatron-core."""
     global _ctx
     if _ctx is None:
+        from harness.launch.world import NVML_CHECK
+
+        # Before the forkserver starts (it inherits the environment): the preload's imports may ask
+        # torch.cuda.is_available(), which starts CUDA unless it asks NVML, and then no driver forked
+        # from it could fork CUDA ranks.
+        os.environ[NVML_CHECK] = "1"
         _ctx = mp.get_context("forkserver")
         _ctx.set_forkserver_preload(_PRELOAD)
     return _ctx

@@ -22,11 +22,14 @@ from harness.launch.base import DEVICES, WorldBase, make_workdir, tail
 from harness.launch.errors import WorldStartError
 from harness.launch.rank import STACK_SIGNAL, RankSpec, _read_from, rank_main
 
-__all__ = ["DEVICES", "START_METHODS", "World"]
+__all__ = ["DEVICES", "START_METHODS", "World", "cuda_started_here"]
 # spawn: each rank imports everything afresh (safe anywhere). fork: ranks start in a fraction of a
-# second from a parent that has imported torch and megatron-core but run nothing (CPU only); the
-# crash-injection driver (harness.checkpoint.crash) starts a world per trial this way.
+# second from a parent that has imported torch and megatron-core but run nothing; on CUDA only from
+# a parent that never started CUDA (`cuda_started_here`). The crash-injection driver
+# (harness.checkpoint.crash) starts a world per trial this way: a spawned CUDA rank spends 15-20 s
+# importing torch, megatron-core and Transformer Engine (H100 host), a forked one starts in ~1 s.
 START_METHODS = ("spawn", "fork")
+NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"  # "1": torch.cuda.is_available() asks NVML, not CUDA
 _live_worlds: "weakref.WeakSet[World]" = weakref.WeakSet()  # killed at exit: no orphan ranks
 
 
@@ -60,7 +63,10 @@ class World(WorldBase):
         if start_method not in START_METHODS:
             raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
         if device == "cuda" and start_method == "fork":
-            raise ValueError("a cuda world cannot fork its ranks (CUDA does not survive a fork); use spawn")
+            os.environ[NVML_CHECK] = "1"  # counting the GPUs below must not start CUDA here
+            if cuda_started_here():
+                raise ValueError("a cuda world forks its ranks only from a process that has not started CUDA "
+                                 "(CUDA does not survive a fork); use spawn")
         super().__init__(size, device, timeout=timeout, start_timeout=start_timeout, failure_grace=failure_grace,
                          death_grace=death_grace, env=env, echo_output=echo_output, echo_to=echo_to, spec=spec)
         if device == "cuda":
@@ -198,6 +204,20 @@ class World(WorldBase):
 
     def _log_tail(self, rank: int) -> str:
         return tail(_read_from(os.path.join(self._workdir or "", f"rank{rank}.log"), 0))
+
+
+def cuda_started_here() -> bool:
+    """Whether this process has initialized the CUDA driver (cuInit), after which a forked child
+    cannot use CUDA. The driver library answers without starting anything: cuDeviceGetCount
+    returns CUDA_ERROR_NOT_INITIALIZED (3) until cuInit."""
+    import ctypes
+
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False  # no CUDA driver on this machine: nothing can have started
+    count = ctypes.c_int()
+    return driver.cuDeviceGetCount(ctypes.byref(count)) != 3
 
 
 def _require_gpus(size: int) -> None:

@@ -7,6 +7,7 @@ shared with the policy's training step.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,7 @@ def megatron_logprobs(
     *,
     micro_batches: int = 1,
     packing: str = "right",
+    length_multiple: int = 1,
 ) -> RankLogprobs:
     """Logprobs of this rank's data-parallel share of `batch` (the global batch, same on all ranks).
 
@@ -47,6 +49,8 @@ def megatron_logprobs(
     path of the local spec); "thd" packs the same way and gives TE's attention the boundaries
     (cu_seqlens, the TE spec's remove-padding path, as verl and NeMo-RL run it); "none" feeds the
     padded rows as they are (a negative control: left-padded rows then see pads and shifted positions).
+    `length_multiple`: every micro-batch's length is padded on the right to a multiple of it (FP8
+    GEMMs need rows in multiples of 16: harness.parity.fp8); right pads change no real token's logprob.
     """
     from megatron.core import parallel_state as ps
 
@@ -58,7 +62,8 @@ def megatron_logprobs(
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     local = batch.split(dp_size)[dp_rank]
     # Sequence parallelism shards the sequence over TP ranks: lengths must divide by TP.
-    micros = split_micro_batches(local, micro_batches, packing, ps.get_tensor_model_parallel_world_size())
+    multiple = math.lcm(ps.get_tensor_model_parallel_world_size(), length_multiple)
+    micros = split_micro_batches(local, micro_batches, packing, multiple)
     true_vocab = _true_vocab(models)
     logprob_parts: dict[int, torch.Tensor] = {}
     top1_parts: dict[int, torch.Tensor] = {}

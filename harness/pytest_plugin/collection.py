@@ -23,6 +23,8 @@ MARKERS = {
     "slow": "takes more than ~30 s on 2 CPU cores",
     "nightly": "part of the nightly regression run",
     "upstream": "reproduces an upstream bug report",
+    "crash_injection": "SIGKILLs training jobs (crash trials): on CUDA with both layer specs selected, the "
+    "local spec's run nightly (CRASH_INJECTION_ON_CUDA says why)",
     "world_size(n)": "number of rank processes the test's world needs",
     "layouts(cpu=[...], cuda=[...] | 'all')": "parametrize (device, layout) jointly: the layouts "
     "each device runs; cuda='all' is every valid layout of the machine's GPUs",
@@ -30,6 +32,15 @@ MARKERS = {
     "ordered layout pairs; cuda='all' is every ordered pair of the machine's plain layouts "
     "(no sp/vpp) of its full GPU count",
 }
+CRASH_INJECTION_MARKER = "crash_injection"
+# The 1-GPU tier's time budget (issue 24: both specs in <= 15 min): a CUDA crash trial starts a
+# training job of its own, 8-25 s each on an H100. Crash injection tests the order of file
+# operations around a save; what a layer spec changes is the state saved (TE's extra state, TE's
+# FusedAdam), which the tier's checkpoint suites compare on both specs and every crash trial on TE
+# carries. So with both specs selected the GPU tier crashes jobs on TE's spec (what users train
+# with), the local spec's CUDA crash trials run nightly, and the local spec's crash trials run in
+# every CI run on the CPU tier (every fault point, every rotation variant).
+CRASH_INJECTION_ON_CUDA = ("te",)
 _SELECTS_GPU = pytest.StashKey[bool]()
 _SELECTS_NIGHTLY = pytest.StashKey[bool]()
 
@@ -175,9 +186,23 @@ def _identifiers(expression: Expression) -> set[str]:
             return seen
 
 
+def _crash_injection_tier(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark nightly the CUDA crash-injection items of a spec outside CRASH_INJECTION_ON_CUDA, when
+    a spec inside it is selected too (a run of the local spec alone keeps them)."""
+    if not set(CRASH_INJECTION_ON_CUDA) & set(selected_specs(config, "cuda")):
+        return
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if (item.get_closest_marker(CRASH_INJECTION_MARKER) and params.get("device") == "cuda"
+                and params.get("spec") not in CRASH_INJECTION_ON_CUDA):
+            item.add_marker(NIGHTLY_MARKER)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Deselect the CUDA variants unless `-m` selects `gpu`, and the nightly sweeps unless asked
     for (then pytest's own `-m` decides)."""
+    if "cuda" in config.getoption("--mrh-devices").split(","):
+        _crash_injection_tier(config, items)
     off = [marker for marker, on in ((GPU_MARKER, config.stash[_SELECTS_GPU]),
                                      (NIGHTLY_MARKER, config.stash[_SELECTS_NIGHTLY])) if not on]
     if not off:

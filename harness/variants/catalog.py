@@ -22,6 +22,7 @@ Components:
               harness.offload.check)
   weight-sync the policy's weights streamed into a rollout engine (harness.rollout.sync; caught
               by the engine's weights against the policy's export, harness.rollout.check)
+  fp8         the FP8 forward's scaling (harness.parity.fp8; caught by FP8 vs bf16 logprobs)
 """
 from __future__ import annotations
 
@@ -29,10 +30,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 Component = Literal["bridge", "logprobs", "precision", "training", "checkpoint", "rotation", "offload",
-                    "weight-sync"]
+                    "weight-sync", "fp8"]
 Kind = Literal["negative-control", "upstream-bug"]
 COMPONENTS: tuple[str, ...] = ("bridge", "logprobs", "precision", "training", "checkpoint", "rotation",
-                               "offload", "weight-sync")
+                               "offload", "weight-sync", "fp8")
 # Which components each check runs (the parity check covers the weights and the feeding).
 CHECKS: dict[str, tuple[str, ...]] = {
     "parity": ("bridge", "logprobs", "precision"),
@@ -41,6 +42,7 @@ CHECKS: dict[str, tuple[str, ...]] = {
     "crash-safety": ("rotation",),
     "offload": ("offload",),
     "weight-sync": ("weight-sync",),
+    "fp8": ("fp8",),
 }
 
 
@@ -69,6 +71,7 @@ class Variant:
     dtypes: tuple[str, ...] = ("fp32", "bf16")
     engine: str = "hf"  # weight-sync: the rollout engine it shows on ("vllm": the CPU tier only)
     devices: tuple[str, ...] = ("cpu", "cuda")  # where it can show (TF32 exists on CUDA only)
+    specs: tuple[str, ...] = ("te", "local")  # the layer specs it can show on (FP8: TE's only)
     # The environment of the ranks it runs on (a world of its own): what must be set before CUDA starts.
     world_env: tuple[tuple[str, str], ...] = ()
     # () -> None, or why it cannot show with what is installed here (e.g. which Adam megatron-core uses).
@@ -373,7 +376,19 @@ _SYNC: tuple[Variant, ...] = (
                      "weights); verl PR 7136 (layerwise reload lifecycle per bucket)",
             default_layout="dp2", model="tiny-qwen3-hd32", engine="vllm"),
 )
-_ENTRIES = _ENTRIES + _ROTATION + _OFFLOAD + _SYNC
+# FP8 variants run FP8 vs bf16 logprobs of the same weights (harness.parity.fp8), on TE and CUDA.
+_FP8: tuple[Variant, ...] = (
+    Variant("fp8-stale-amax", "fp8", "negative-control",
+            "delayed-scaling FP8 whose amax history comes from other weights (an older policy's, "
+            "a quarter the size): the history is not refreshed before the forward",
+            "every FP8 scale 4x too large: the largest weights and activations saturate at FP8's max, "
+            "logprobs far off the bf16 run of the same weights",
+            "FP8 (delayed) vs bf16 logprobs of the same weights: max_abs, mean_abs",
+            default_layout="tp1", dtypes=("bf16",), devices=("cuda",), specs=("te",),
+            options=(("recipe", "delayed"),)),
+)
+
+_ENTRIES = _ENTRIES + _ROTATION + _OFFLOAD + _SYNC + _FP8
 
 CATALOG: dict[str, Variant] = {v.id: v for v in _ENTRIES}
 

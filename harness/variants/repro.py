@@ -217,9 +217,24 @@ def _weight_sync(variant: Variant, layout: str, dtype: str, runner: Runner) -> t
     return run(variant.id), run(None)
 
 
+def _fp8(variant: Variant, layout: str, dtype: str, runner: Runner) -> tuple[Run, Run]:
+    """FP8 vs bf16 logprobs of the same weights (harness.parity.fp8), with the variant and without."""
+    from harness.parallel.layout import parse_layout
+    from harness.parity.fp8 import Fp8Case, run_fp8
+
+    world = runner.world_for(parse_layout(layout).world_size)
+
+    def run(variant_id):
+        result = run_fp8(world, Fp8Case(variant.model, layout, dict(variant.options)["recipe"], variant=variant_id),
+                         suite="sensitivity")
+        return Run(result.passed, list(result.checks), result.summary(), result.rows)
+
+    return run(variant.id), run(None)
+
+
 _CHECKS: dict[str, Callable[[Variant, str, str, Runner], tuple[Run, Run]]] = {
     "bridge": _parity, "logprobs": _parity, "precision": _parity, "training": _training, "checkpoint": _checkpoint,
-    "rotation": _crash_safety, "offload": _offload, "weight-sync": _weight_sync,
+    "rotation": _crash_safety, "offload": _offload, "weight-sync": _weight_sync, "fp8": _fp8,
 }
 
 

@@ -12,16 +12,16 @@ def _sources():
 
 
 @pytest.fixture
-def source_checkpoint(policy, device, tmp_path_factory, _sources):
+def source_checkpoint(policy, device, spec, tmp_path_factory, _sources):
     """`source_checkpoint(layout)`: K steps at `layout`, saved; plus the step after it and the
     weights after that step, without any save/load (harness.checkpoint.resume_check.Uninterrupted).
-    Made once per (device, layout) per session."""
+    Made once per (device, layer spec, layout) per session."""
 
     def make(layout: str):
-        if (device, layout) not in _sources:
-            directory = tmp_path_factory.mktemp(f"src-{device}-{layout}") / "ckpt"
-            _sources[(device, layout)] = train_and_save(policy, layout, directory)
-        return _sources[(device, layout)]
+        if (device, spec, layout) not in _sources:
+            directory = tmp_path_factory.mktemp(f"src-{device}-{spec}-{layout}") / "ckpt"
+            _sources[(device, spec, layout)] = train_and_save(policy, layout, directory)
+        return _sources[(device, spec, layout)]
 
     return make
 

@@ -25,6 +25,7 @@ from harness.checkpoint.crash import CrashConfig, cached_trial, random_kill_time
 from harness.checkpoint.faults import POINTS
 from suites.checkpoint.conftest import layout_for
 
+pytestmark = pytest.mark.crash_injection  # on CUDA with both specs: TE's in the tier (harness.pytest_plugin.collection)
 CONFIGS = {c.name: c for c in (CrashConfig(False, 1), CrashConfig(False, 2), CrashConfig(True, 1),
                                CrashConfig(True, 2))}
 CI_CONFIG = "async-keep1"

@@ -102,6 +102,16 @@ def test_a_killed_process_is_dying_until_gone_and_a_live_one_is_not():
     assert faults.dying(proc.pid)  # gone
 
 
+def test_an_exiting_process_is_dying_by_its_task_flags():
+    """A killed process that already took its SIGKILL off the pending set shows only as exiting
+    (PF_EXITING in /proc/PID/stat): the flags are read past the command name, whatever it holds."""
+    assert faults.stat_flags("123 (a) b (c)) S 1 123 123 0 -1 4194564 0 0") == 4194564
+    assert faults.stat_flags("123 (a) b (c)) S 1 123 123 0 -1 4194564 0 0") & faults.PF_EXITING
+    with open(f"/proc/{os.getpid()}/stat") as handle:
+        assert not faults.stat_flags(handle.read()) & faults.PF_EXITING  # this process is not exiting
+    assert not faults.dying(os.getpid())
+
+
 def test_a_trial_whose_point_is_never_reached_is_an_error(device, tmp_path):
     """A job of 2 saves never reaches the save of iteration 3: no verdict, an error."""
     if device != "cpu":

@@ -106,3 +106,31 @@ def test_every_cuda_variant_runs_once_per_selected_layer_spec(pytester, monkeypa
     refused = pytester.runpytest(*args, "--mrh-spec=te")
     assert refused.ret == pytest.ExitCode.USAGE_ERROR
     refused.stderr.fnmatch_lines(["*--mrh-spec te needs Transformer Engine*not installed*"])
+
+
+CRASHING = """
+import pytest
+
+@pytest.mark.crash_injection
+def test_crash(device):
+    pass
+"""
+
+
+def test_cuda_crash_injection_runs_on_te_in_the_tier_and_on_local_nightly(pytester, monkeypatch):
+    """With both specs selected, `-m gpu` crashes CUDA jobs on TE's spec only; --mrh-nightly adds
+    the local spec's; a run of the local spec alone keeps them (CRASH_INJECTION_ON_CUDA)."""
+    from harness.bridge import specs
+
+    pytester.makepyfile(test_inner=CRASHING)
+    args = ["--collect-only", "-q", "-p", "no:cacheprovider", "-m", "gpu or not slow",
+            f"--mrh-report-dir={pytester.path / 'reports'}"]
+    monkeypatch.setattr(specs, "installed", lambda: True)
+
+    def ids(*extra):
+        done = pytester.runpytest(*args, *extra)
+        return {l.split("::", 1)[1] for l in done.outlines if l.startswith("test_inner.py::")}
+
+    assert ids("--mrh-spec=both") == {"test_crash[cpu]", "test_crash[cuda-te]"}
+    assert ids("--mrh-spec=both", "--mrh-nightly") == {"test_crash[cpu]", "test_crash[cuda-te]", "test_crash[cuda-local]"}
+    assert ids("--mrh-spec=local") == {"test_crash[cpu]", "test_crash[cuda-local]"}

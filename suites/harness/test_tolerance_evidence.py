@@ -17,11 +17,12 @@ import pytest
 from harness.checkpoint.tolerances import CRASH_TABLE as CRASH
 from harness.checkpoint.tolerances import TABLE as RESUME
 from harness.offload.tolerances import TABLE as OFFLOAD
+from harness.parity.tolerances import FP8
 from harness.parity.tolerances import TABLE as PARITY
 from harness.rollout.tolerances import TABLE as SYNC
 from harness.training.tolerances import TABLE as TRAINING
 
-TABLES = (PARITY, TRAINING, RESUME, CRASH, OFFLOAD, SYNC)
+TABLES = (PARITY, FP8, TRAINING, RESUME, CRASH, OFFLOAD, SYNC)
 ENTRIES = [(table, entry) for table in TABLES for entry in table.entries]
 
 

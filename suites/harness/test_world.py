@@ -185,8 +185,9 @@ def test_close_leaves_no_rank_or_grandchild_process(fresh_world):
     assert _survivors(ranks + grandchildren) == [], "processes survived World.close()"
 
 
-def test_a_forked_world_serves_calls_and_closes_without_survivors():
-    """start_method="fork" (the crash trials' worlds): the same calls, the same teardown."""
+def test_a_forked_world_serves_calls_and_closes_without_survivors(monkeypatch):
+    """start_method="fork" (the crash trials' worlds): the same calls, the same teardown; a CUDA
+    world forks only from a process that never started CUDA."""
     world = World(2, "cpu", start_method="fork").start()
     try:
         assert world.run(_rank_and_size) == [(0, 2), (1, 2)]
@@ -195,7 +196,10 @@ def test_a_forked_world_serves_calls_and_closes_without_survivors():
     finally:
         world.close()
     assert _survivors(ranks + grandchildren) == []
-    with pytest.raises(ValueError, match="cannot fork its ranks"):
+    import harness.launch.world as world_module
+
+    monkeypatch.setattr(world_module, "cuda_started_here", lambda: True)
+    with pytest.raises(ValueError, match="has not started CUDA"):
         World(1, "cuda", start_method="fork")
     with pytest.raises(ValueError, match="start_method must be one of"):
         World(1, "cpu", start_method="forkserver")

@@ -13,6 +13,7 @@ import pytest
 from harness.checkpoint.checkpointer import IMPLEMENTED as ROTATION
 from harness.checkpoint.manager import IMPLEMENTED as CHECKPOINT
 from harness.offload import IMPLEMENTED as OFFLOAD
+from harness.parity.fp8 import IMPLEMENTED as FP8
 from harness.parity.variants import IMPLEMENTED as PARITY
 from harness.rollout import IMPLEMENTED as SYNC
 from harness.training.policy import IMPLEMENTED as TRAINING
@@ -33,6 +34,7 @@ def test_each_component_implements_exactly_its_entries():
     assert set(ROTATION) == ids["rotation"]
     assert set(OFFLOAD) == ids["offload"]
     assert set(SYNC) == ids["weight-sync"]
+    assert set(FP8) == ids["fp8"]
 
 
 def test_every_entry_says_what_it_is():

@@ -27,13 +27,13 @@ SAME = ["tp2->tp2", "pp2->pp2", "dp2->dp2"]
 # Where each component's entries run (a variant that cannot show somewhere is left out there); a
 # machine of one GPU adds tp1, so that one GPU still shows every variant that can show there.
 WHERE = {"bridge": ["tp2", "pp2", "dp2"], "logprobs": ["tp2", "pp2", "dp2"], "precision": ["tp2"],
-         "training": ["tp2", "pp2", "dp2"], "weight-sync": ["tp2", "pp2", "dp2"]}
+         "training": ["tp2", "pp2", "dp2"], "weight-sync": ["tp2", "pp2", "dp2"], "fp8": ["tp2"]}
 CHECKPOINT_WHERE = {"shared-adam-step": [(w, DTYPES) for w in SAME] + [("tp2->pp2", ("fp32",))],
                     "rng-not-restored": [(w, DTYPES) for w in SAME],
                     "dp-reshardable": [(w, DTYPES) for w in ("tp2->pp2", "pp2->tp2", "dp2->tp2")]}
 ONE_GPU = {"bridge": "tp1", "logprobs": "tp1", "precision": "tp1", "training": "tp1", "checkpoint": "tp1->tp1",
            "rotation": "tp1",
-           "offload": "tp1", "weight-sync": "tp1"}
+           "offload": "tp1", "weight-sync": "tp1", "fp8": "tp1"}
 # Rotation variants (crash trials, harness.checkpoint.crash): what they break is the order of file
 # operations, the same in either dtype; CI runs them in fp32, the nightly run in bf16 too.
 ROTATION_WHERE = [("dp2", DTYPES)]
@@ -82,24 +82,28 @@ def _cases():
         marks = [pytest.mark.gpu] if device == "cuda" else []
         name = device if device == "cpu" else f"{device}-{spec}"
         for variant in CATALOG.values():
+            if spec not in variant.specs:
+                continue  # e.g. FP8 exists on TE's layer spec only
             for where, dtypes in _places(variant, device):
                 for dtype in dtypes:
                     if _applies(variant.id, where, dtype):
                         nightly = [pytest.mark.nightly] if _nightly(variant, where, dtype, device) else []
+                        crash = [pytest.mark.crash_injection] if variant.component == "rotation" else []
                         yield pytest.param(device, spec, variant.id, where, dtype,
-                                           id=f"{name}-{variant.id}-{where}-{dtype}", marks=marks + nightly)
+                                           id=f"{name}-{variant.id}-{where}-{dtype}", marks=marks + nightly + crash)
 
 
 CASES = list(_cases())
 
 
 def test_every_entry_runs_somewhere_in_every_dtype_it_claims():
-    """On the CPU tier every entry that can show there; a CUDA-only entry (TF32) on every CUDA spec."""
+    """On the CPU tier every entry that can show there; a CUDA-only entry (TF32, FP8) on every CUDA
+    spec it can show on."""
     ran = {(p.values[2], p.values[4]) for p in CASES if p.values[0] == "cpu"}
     assert ran == {(v.id, d) for v in CATALOG.values() for d in v.dtypes if "cpu" in v.devices}
     on_cuda = {(p.values[1], p.values[2], p.values[4]) for p in CASES if p.values[0] == "cuda"}
     assert {(s, v.id, d) for v in CATALOG.values() if v.devices == ("cuda",) for d in v.dtypes
-            for s in specs.selected("auto", "cuda")} <= on_cuda
+            for s in specs.selected("auto", "cuda") if s in v.specs} <= on_cuda
     assert all(set(v.dtypes) <= set(DTYPES) for v in CATALOG.values())
 
 
