@@ -74,14 +74,15 @@ class Variant:
     specs: tuple[str, ...] = ("te", "local")  # the layer specs it can show on (FP8: TE's only)
     # The environment of the ranks it runs on (a world of its own): what must be set before CUDA starts.
     world_env: tuple[tuple[str, str], ...] = ()
-    # () -> None, or why it cannot show with what is installed here (e.g. which Adam megatron-core uses).
-    needs: Callable[[], str | None] | None = None
+    # (device, dtype) -> None, or why it cannot show there with what is installed here (e.g. which
+    # Adam megatron-core uses).
+    needs: Callable[[str, str], str | None] | None = None
 
     def why_not(self, layout, config) -> str | None:
         return self.requires(layout, config) if self.requires else None
 
-    def why_not_here(self) -> str | None:
-        return self.needs() if self.needs else None
+    def why_not_here(self, device: str, dtype: str) -> str | None:
+        return self.needs(device, dtype) if self.needs else None
 
 
 # ------------------------------------------------------------------------------- applicability
@@ -129,15 +130,35 @@ def _needs_a_cross_rank_grad_reduction(layout, config) -> str | None:
     return "needs a gradient reduced across ranks (dp >= 2, tp >= 2 with QK-norm or SP, or tied PP)"
 
 
-def _needs_torch_adam() -> str | None:
-    """megatron-core takes TE's FusedAdam (else Apex's) whenever it imports, for either layer spec,
-    and falls back to torch's Adam only without both (megatron/core/optimizer/__init__.py)."""
+def _fused_adam() -> tuple[str, str] | None:
+    """(package, name) of the FusedAdam megatron-core takes here: TE's (else Apex's) whenever it
+    imports, for either layer spec; None where it falls back to torch's Adam (neither installed;
+    megatron/core/optimizer/__init__.py)."""
     import importlib.util
 
     for package, name in (("transformer_engine", "Transformer Engine's"), ("apex", "Apex's")):
         if importlib.util.find_spec(package) is not None:
-            return (f"needs torch's Adam: megatron-core uses {name} FusedAdam here ({package} is installed), "
-                    "which keeps its step in the param groups, so the per-parameter step cannot be shared")
+            return package, name
+    return None
+
+
+def _needs_torch_adam(device: str, dtype: str) -> str | None:
+    fused = _fused_adam()
+    if fused:
+        return (f"needs torch's Adam: megatron-core uses {fused[1]} FusedAdam here ({fused[0]} is installed), "
+                "which keeps its step in the param groups, so the per-parameter step cannot be shared")
+    return None
+
+
+def _needs_torch_adam_in_cuda_bf16(device: str, dtype: str) -> str | None:
+    """megatron-core's offload_to_cpu loses the aliasing of fp32 main shards (fp32 only) and moves
+    torch Adam's host `step` to the device (bf16: the only symptom left). With a FusedAdam the step
+    lives in the param groups: on CUDA in bf16 nothing of the bug shows (1x H100, TE 2.20.2: every
+    byte accounted for, variant and fixed path; reports/gpu/2026-11-24-h100-tier)."""
+    fused = _fused_adam()
+    if device == "cuda" and dtype == "bf16" and fused:
+        return (f"on CUDA in bf16 only torch Adam's per-parameter host step shows the bug; megatron-core uses "
+                f"{fused[1]} FusedAdam here ({fused[0]} is installed), which keeps its step in the param groups")
     return None
 
 
@@ -337,7 +358,8 @@ _OFFLOAD: tuple[Variant, ...] = (
             "(aliasing lost); CUDA: the restore moves Adam's host `step` to the device",
             "offload round trip: freed_minus_theory_bytes (CPU), round_trip_residual_bytes and "
             "aliasing_broken (CUDA)",
-            upstream="megatron-core 0.16.1 optimizer.py:344-380 (found by this harness)", default_layout="dp2"),
+            upstream="megatron-core 0.16.1 optimizer.py:344-380 (found by this harness)", default_layout="dp2",
+            needs=_needs_torch_adam_in_cuda_bf16),
 )
 # Weight-sync variants: caught by the engine's weights after a training step and a sync
 # (harness.rollout.check): every tensor bit-equal to the policy's export, or the count that is not.

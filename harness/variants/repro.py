@@ -259,8 +259,9 @@ def preflight(variant_id: str, layout: str | None, dtype: str, world_size_limit:
         raise VariantError(f"variant {variant.id!r} shows in {', '.join(variant.dtypes)} only, not {dtype}")
     if device is not None and device not in variant.devices:
         raise VariantError(f"variant {variant.id!r} shows on {', '.join(variant.devices)} only, not {device}")
-    if device is not None and variant.why_not_here():
-        raise VariantError(f"variant {variant.id!r} cannot show here: {variant.why_not_here()}")
+    why_not_here = variant.why_not_here(device, dtype) if device is not None else None
+    if why_not_here:
+        raise VariantError(f"variant {variant.id!r} cannot show here: {why_not_here}")
     layout = layout or variant.default_layout
     config = load_hf_config(_model(variant))
     names = _pair(layout) if variant.component == "checkpoint" else (layout,)

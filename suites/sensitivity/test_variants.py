@@ -127,7 +127,7 @@ def runner(request, policy, world_pool, device, spec, tmp_path, hf_cache, crash_
 
 @pytest.mark.parametrize("device, spec, variant, where, dtype", CASES)
 def test_variant_is_caught_by_a_margin_and_the_fix_passes(runner, variant, where, dtype, report):
-    why = CATALOG[variant].why_not_here()
+    why = CATALOG[variant].why_not_here(runner.device, dtype)
     if why:  # the catalog says why (e.g. megatron-core's Adam here is TE's FusedAdam)
         pytest.skip(why)
     repro = reproduce(variant, layout=where, dtype=dtype, runner=runner)
