@@ -23,7 +23,7 @@ from harness.report import Row
 from harness.tolerance import CheckResult, Judged
 
 MODEL = "tiny-qwen3-kv4"
-CONFIG = dict(lr=1e-3, weight_decay=0.01, clip_grad=1.0, eps=1e-6, micro_batches=2,
+CONFIG = dict(lr=1e-3, weight_decay=0.01, clip_grad=1.0, eps=1e-6, micro_batches=2, deterministic=True,
               loss_kwargs=dict(kl_coef=0.05, clip_eps_high=0.28))
 COMPONENTS = inventory.POLICY
 
