@@ -156,7 +156,7 @@ def run_fp8(world, case: Fp8Case, *, suite: str = "parity", test: str = "") -> F
     from harness.parallel.layout import parse_layout, resolve, validate
     from harness.parallel.state import run_in_layout
     from harness.parity.metrics import compare_logprobs, top1_agreement
-    from harness.parity.runner import prepare_model
+    from harness.parity.runner import default_micro_batches, prepare_model
     from harness.parity.tolerances import FP8
     from harness.variants import require
 
@@ -171,7 +171,7 @@ def run_fp8(world, case: Fp8Case, *, suite: str = "parity", test: str = "") -> F
     path, config = prepare_model(case.model)
     validate(layout, world.size, config)
     batch = standard_parity_batch(config.vocab_size, seed=case.batch_seed)
-    micro = 2 * layout.pp if layout.pp > 1 else 1
+    micro = default_micro_batches(layout)
     results = run_in_layout(world, layout, _rank_fp8, str(path), batch, micro, case.recipe, case.variant)
     bf16_lp, bf16_top1 = assemble([r[0] for r in results])
     fp8_lp, fp8_top1 = assemble([r[1] for r in results])

@@ -89,8 +89,13 @@ class ParityResult:
         return f"{what}: " + ", ".join(parts)
 
 
+def default_micro_batches(layout: Layout) -> int:
+    """2 per pipeline stage (the schedule needs >= PP of them), 1 without PP."""
+    return 2 * layout.pp if layout.pp > 1 else 1
+
+
 def _micro_batches(case: ParityCase, layout: Layout, rows_per_dp: int) -> int:
-    wanted = case.micro_batches or (2 * layout.pp if layout.pp > 1 else 1)
+    wanted = case.micro_batches or default_micro_batches(layout)
     layout.check_micro_batches(wanted)
     if rows_per_dp % wanted:
         raise ValueError(f"{rows_per_dp} rows per data-parallel rank do not split into {wanted} micro-batches")

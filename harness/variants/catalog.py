@@ -146,7 +146,7 @@ def _needs_torch_adam(device: str, dtype: str) -> str | None:
     fused = _fused_adam()
     if fused:
         return (f"needs torch's Adam: megatron-core uses {fused[1]} FusedAdam here ({fused[0]} is installed), "
-                "which keeps its step in the param groups, so the per-parameter step cannot be shared")
+                "which keeps its step in the param groups")
     return None
 
 
@@ -155,11 +155,7 @@ def _needs_torch_adam_in_cuda_bf16(device: str, dtype: str) -> str | None:
     torch Adam's host `step` to the device (bf16: the only symptom left). With a FusedAdam the step
     lives in the param groups: on CUDA in bf16 nothing of the bug shows (1x H100, TE 2.20.2: every
     byte accounted for, variant and fixed path; reports/gpu/2026-11-24-h100-tier)."""
-    fused = _fused_adam()
-    if device == "cuda" and dtype == "bf16" and fused:
-        return (f"on CUDA in bf16 only torch Adam's per-parameter host step shows the bug; megatron-core uses "
-                f"{fused[1]} FusedAdam here ({fused[0]} is installed), which keeps its step in the param groups")
-    return None
+    return _needs_torch_adam(device, dtype) if (device, dtype) == ("cuda", "bf16") else None
 
 
 # ------------------------------------------------------------------------------------- catalog
