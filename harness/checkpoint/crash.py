@@ -29,7 +29,6 @@ then starts in ~1 s instead of 15-20 s of imports). The job trains
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 import warnings
@@ -39,12 +38,10 @@ from typing import Any
 
 from harness.checkpoint.faults import (ENV, FaultPlan, append_record, dying, kill_session, read_records,
                                       session_pids)
+from harness.launch import forkserver
 
 FAULT_ITERATION = 3  # the save a named fault point applies to: two saves exist before it, and
 # rotation runs in it at keep=1 and keep=2
-_PRELOAD = ["torch", "megatron.core", "megatron.core.dist_checkpointing", "mbridge", "transformers",
-            "harness.training.policy", "harness.training.handles", "harness.checkpoint.checkpointer",
-            "harness.checkpoint.crash"]
 
 
 @dataclass(frozen=True)
@@ -183,25 +180,6 @@ def _train_and_save(cfg: CrashConfig, world, root: str, events: str) -> None:
 
 
 # ----------------------------------------------------------------------------------- a trial
-_ctx = None
-
-
-def _context():
-    """A forkserver that has imported the heavy modules once: each driver starts in well under a
-    second instead of re-importing torch and megatron-core."""
-    global _ctx
-    if _ctx is None:
-        from harness.launch.world import NVML_CHECK
-
-        # Before the forkserver starts (it inherits the environment): the preload's imports may ask
-        # torch.cuda.is_available(), which starts CUDA unless it asks NVML, and then no driver forked
-        # from it could fork CUDA ranks.
-        os.environ[NVML_CHECK] = "1"
-        _ctx = mp.get_context("forkserver")
-        _ctx.set_forkserver_preload(_PRELOAD)
-    return _ctx
-
-
 _read_events = read_records
 
 
@@ -230,7 +208,7 @@ def run_trial(config: CrashConfig, root: str | os.PathLike, *, point: str | None
     root.mkdir(parents=True, exist_ok=True)
     events = root.parent / f"{root.name}.events-{time.monotonic_ns()}.jsonl"
     plan = None if point is None else {"point": point, "iteration": FAULT_ITERATION, "action": action}
-    proc = _context().Process(target=_drive, args=(asdict(config), str(root), str(events), plan),
+    proc = forkserver.context().Process(target=_drive, args=(asdict(config), str(root), str(events), plan),
                               name=f"mrh-crash-{config.name}")
     proc.start()
     sid = proc.pid  # the driver's setsid makes its pid the session id

@@ -43,7 +43,7 @@ class RankSpec:
     store_host: str
     store_port: int
     workdir: str
-    parent_pid: int
+    parent_pid: int | None  # the process whose end ends this rank; None: whoever is the parent at start
     pg_timeout_s: float
     env: dict[str, str] = field(default_factory=dict)
 
@@ -266,7 +266,9 @@ def join_reply(spec: RankSpec) -> tuple:
 def rank_main(spec: RankSpec, conn: Connection) -> None:
     """Entry point of a spawned rank process."""
     os.setpgrp()  # own process group: teardown kills the rank and anything it started
-    threading.Thread(target=_watch_parent, args=(spec.parent_pid,), daemon=True).start()
+    # A forkserver's child watches the forkserver, which exits when the world's process does.
+    watched = os.getppid() if spec.parent_pid is None else spec.parent_pid
+    threading.Thread(target=_watch_parent, args=(watched,), daemon=True).start()
     prepare(spec)
     reply = join_reply(spec)
     conn.send(reply)

@@ -18,18 +18,21 @@ from datetime import timedelta
 from multiprocessing.connection import wait
 from typing import Any, TextIO
 
+from harness.launch import forkserver
 from harness.launch.base import DEVICES, WorldBase, make_workdir, tail
+from harness.launch.forkserver import NVML_CHECK
 from harness.launch.errors import WorldStartError
 from harness.launch.rank import STACK_SIGNAL, RankSpec, _read_from, rank_main
 
 __all__ = ["DEVICES", "START_METHODS", "World", "cuda_started_here"]
-# spawn: each rank imports everything afresh (safe anywhere). fork: ranks start in a fraction of a
-# second from a parent that has imported torch and megatron-core but run nothing; on CUDA only from
-# a parent that never started CUDA (`cuda_started_here`). The crash-injection driver
-# (harness.checkpoint.crash) starts a world per trial this way: a spawned CUDA rank spends 15-20 s
-# importing torch, megatron-core and Transformer Engine (H100 host), a forked one starts in ~1 s.
-START_METHODS = ("spawn", "fork")
-NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"  # "1": torch.cuda.is_available() asks NVML, not CUDA
+# spawn: each rank imports everything afresh (safe anywhere; the CPU default). fork: ranks start in
+# a fraction of a second from a parent that has imported torch and megatron-core but run nothing;
+# on CUDA only from a parent that never started CUDA (`cuda_started_here`); the crash-injection
+# driver (harness.checkpoint.crash) starts a world per trial this way. forkserver (the CUDA default):
+# ranks fork from this process's preloaded forkserver (harness.launch.forkserver), which never starts
+# CUDA, whatever this process did: a spawned CUDA rank spends 15-20 s importing torch, megatron-core
+# and Transformer Engine (H100 host), a forked one starts in ~1 s.
+START_METHODS = ("spawn", "fork", "forkserver")
 _live_worlds: "weakref.WeakSet[World]" = weakref.WeakSet()  # killed at exit: no orphan ranks
 
 
@@ -55,9 +58,10 @@ class World(WorldBase):
         env: dict[str, str] | None = None,
         echo_output: bool = True,
         echo_to: TextIO | None = None,
-        start_method: str = "spawn",
+        start_method: str | None = None,
         spec: str | None = None,
     ):
+        start_method = start_method or ("forkserver" if device == "cuda" else "spawn")
         if device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
         if start_method not in START_METHODS:
@@ -99,13 +103,17 @@ class World(WorldBase):
             "127.0.0.1", 0, self.size, is_master=True, wait_for_workers=False,
             timeout=timedelta(seconds=self.start_timeout),
         )
-        ctx = mp.get_context(self.start_method)
+        ctx = forkserver.context() if self.start_method == "forkserver" else mp.get_context(self.start_method)
+        # A forkserver's child has the forkserver's environment and parent: hand it ours, and let it
+        # watch the forkserver, which exits when this process does (harness.launch.forkserver).
+        env = {**os.environ, **self.env} if self.start_method == "forkserver" else self.env
+        parent_pid = None if self.start_method == "forkserver" else os.getpid()
         for rank in range(self.size):
             parent_conn, child_conn = ctx.Pipe()
             spec = RankSpec(
                 rank=rank, world_size=self.size, device=self.device, store_host="127.0.0.1",
-                store_port=self._store.port, workdir=self._workdir, parent_pid=os.getpid(),
-                pg_timeout_s=max(self.timeout, self.start_timeout), env=self.env,
+                store_port=self._store.port, workdir=self._workdir, parent_pid=parent_pid,
+                pg_timeout_s=max(self.timeout, self.start_timeout), env=env,
             )
             # Not daemonic: a rank may start helpers of its own (the dist-ckpt writer does).
             proc = ctx.Process(target=rank_main, args=(spec, child_conn), name=f"mrh-rank{rank}")

@@ -185,12 +185,16 @@ def test_close_leaves_no_rank_or_grandchild_process(fresh_world):
     assert _survivors(ranks + grandchildren) == [], "processes survived World.close()"
 
 
-def test_a_forked_world_serves_calls_and_closes_without_survivors(monkeypatch):
-    """start_method="fork" (the crash trials' worlds): the same calls, the same teardown; a CUDA
-    world forks only from a process that never started CUDA."""
-    world = World(2, "cpu", start_method="fork").start()
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_a_forked_world_serves_calls_and_closes_without_survivors(monkeypatch, start_method):
+    """start_method="fork" (the crash trials' worlds) and "forkserver" (CUDA worlds): the same
+    calls, the same teardown, the caller's environment; a CUDA world forks only from a process that
+    never started CUDA."""
+    monkeypatch.setenv("MRH_TEST_SET_AFTER_IMPORT", start_method)  # after any forkserver started
+    world = World(2, "cpu", start_method=start_method).start()
     try:
         assert world.run(_rank_and_size) == [(0, 2), (1, 2)]
+        assert world.run(_env, "MRH_TEST_SET_AFTER_IMPORT") == [start_method] * 2
         grandchildren = world.run(_start_grandchild)
         ranks = world.pids
     finally:
@@ -202,7 +206,11 @@ def test_a_forked_world_serves_calls_and_closes_without_survivors(monkeypatch):
     with pytest.raises(ValueError, match="has not started CUDA"):
         World(1, "cuda", start_method="fork")
     with pytest.raises(ValueError, match="start_method must be one of"):
-        World(1, "cpu", start_method="forkserver")
+        World(1, "cpu", start_method="vfork")
+
+
+def _env(key: str) -> str | None:
+    return os.environ.get(key)
 
 
 def _rank_and_size():
@@ -219,7 +227,10 @@ def test_cuda_world_without_enough_gpus_is_one_clear_error():
         World(too_many, "cuda")
 
 
-def test_parent_killed_hard_leaves_no_orphans(tmp_path):
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_parent_killed_hard_leaves_no_orphans(tmp_path, start_method):
+    """Also when the ranks came from a forkserver, whose children have it, not the world's process,
+    as their parent."""
     script = tmp_path / "parent.py"
     script.write_text(textwrap.dedent("""
         import subprocess, sys, time
@@ -229,12 +240,12 @@ def test_parent_killed_hard_leaves_no_orphans(tmp_path):
             return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]).pid
 
         if __name__ == "__main__":
-            world = World(2)
+            world = World(2, start_method=sys.argv[1])
             kids = world.run(_start_grandchild)
             print(*world.pids, *kids, flush=True)
             time.sleep(600)
     """))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, str(script), start_method], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
     finally:
