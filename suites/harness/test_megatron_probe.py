@@ -30,15 +30,15 @@ def test_forward_backward_runs_in_layout(world, device, layout, probe_results):
     assert math.isfinite(first["loss"]) and first["grad_norm"] > 0
     # Random weights on a 128-token vocabulary: the loss is near ln(128) ~ 4.85, far from 0.
     assert abs(first["loss"] - math.log(spec.vocab_size)) < 1.0
-    probe_results[(device, layout)] = first
+    probe_results[(device, world.spec, layout)] = first  # a TE world's figures are not the local one's
 
 
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("layout", LAYOUTS[1:])
 def test_layouts_agree_on_loss_and_grad_norm(world, device, layout, probe_results):
     spec = ProbeSpec()
-    reference = probe_results.get((device, "tp1")) or run_in_layout(world, "tp1", forward_backward, spec)[0]
-    other = probe_results.get((device, layout)) or run_in_layout(world, layout, forward_backward, spec)[0]
+    reference = probe_results.get((device, world.spec, "tp1")) or run_in_layout(world, "tp1", forward_backward, spec)[0]
+    other = probe_results.get((device, world.spec, layout)) or run_in_layout(world, layout, forward_backward, spec)[0]
     assert other["loss"] == pytest.approx(reference["loss"], rel=RTOL)
     assert other["grad_norm"] == pytest.approx(reference["grad_norm"], rel=RTOL)
 

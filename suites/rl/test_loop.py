@@ -41,11 +41,12 @@ def runs():
 
 
 def _reference(rl_loop, report, runs, iterations, layout="dp2"):
-    """The run the other tests compare with (dp2; tp1 on one GPU), once per layer spec and length."""
-    spec = rl_loop.spec
-    if (spec, layout, iterations) not in runs:
-        runs[spec, layout, iterations] = _run(rl_loop, layout, report, iterations=iterations)
-    return runs[spec, layout, iterations]
+    """The run the other tests compare with (dp2; tp1 on one GPU), once per device, layer spec and
+    length."""
+    key = (rl_loop.device, rl_loop.spec, layout, iterations)
+    if key not in runs:
+        runs[key] = _run(rl_loop, layout, report, iterations=iterations)
+    return runs[key]
 
 
 @pytest.mark.layouts(cpu=["dp2"], cuda=["tp1", "dp2"])
