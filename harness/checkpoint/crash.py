@@ -209,7 +209,7 @@ def run_trial(config: CrashConfig, root: str | os.PathLike, *, point: str | None
     events = root.parent / f"{root.name}.events-{time.monotonic_ns()}.jsonl"
     plan = None if point is None else {"point": point, "iteration": FAULT_ITERATION, "action": action}
     proc = forkserver.context().Process(target=_drive, args=(asdict(config), str(root), str(events), plan),
-                              name=f"mrh-crash-{config.name}")
+                                        name=f"mrh-crash-{config.name}")
     proc.start()
     sid = proc.pid  # the driver's setsid makes its pid the session id
     how, killed_at = "none" if point is None else f"{'point' if action == 'kill' else 'driver-only'}:{point}", None

@@ -7,12 +7,10 @@ import warnings
 
 from harness.launch.forkserver import MODULES
 
-IMPORTED = []
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     for _name in MODULES:
         try:
             importlib.import_module(_name)
         except Exception:  # noqa: BLE001 - a module this machine cannot import fails again, loudly, in the child
-            continue
-        IMPORTED.append(_name)
+            pass

@@ -20,7 +20,6 @@ from typing import Any, TextIO
 
 from harness.launch import forkserver
 from harness.launch.base import DEVICES, WorldBase, make_workdir, tail
-from harness.launch.forkserver import NVML_CHECK
 from harness.launch.errors import WorldStartError
 from harness.launch.rank import STACK_SIGNAL, RankSpec, _read_from, rank_main
 
@@ -67,7 +66,7 @@ class World(WorldBase):
         if start_method not in START_METHODS:
             raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
         if device == "cuda" and start_method == "fork":
-            os.environ[NVML_CHECK] = "1"  # counting the GPUs below must not start CUDA here
+            os.environ[forkserver.NVML_CHECK] = "1"  # counting the GPUs below must not start CUDA here
             if cuda_started_here():
                 raise ValueError("a cuda world forks its ranks only from a process that has not started CUDA "
                                  "(CUDA does not survive a fork); use spawn")
@@ -103,11 +102,12 @@ class World(WorldBase):
             "127.0.0.1", 0, self.size, is_master=True, wait_for_workers=False,
             timeout=timedelta(seconds=self.start_timeout),
         )
-        ctx = forkserver.context() if self.start_method == "forkserver" else mp.get_context(self.start_method)
         # A forkserver's child has the forkserver's environment and parent: hand it ours, and let it
         # watch the forkserver, which exits when this process does (harness.launch.forkserver).
-        env = {**os.environ, **self.env} if self.start_method == "forkserver" else self.env
-        parent_pid = None if self.start_method == "forkserver" else os.getpid()
+        served = self.start_method == "forkserver"
+        ctx = forkserver.context() if served else mp.get_context(self.start_method)
+        env = {**os.environ, **self.env} if served else self.env
+        parent_pid = None if served else os.getpid()
         for rank in range(self.size):
             parent_conn, child_conn = ctx.Pipe()
             spec = RankSpec(

@@ -46,7 +46,8 @@ def session_worlds(config: pytest.Config) -> list[dict]:
     """Each world this session started: launcher, size, device, spec and what its ranks reported."""
     pool = config.stash.get(_POOL_KEY, None)
     return [{"launcher": w.launcher, "size": w.size, "device": w.device, "spec": w.spec, "starts": w.starts,
-             "start_method": getattr(w, "start_method", None), **w.facts} for w in (pool.worlds() if pool is not None else []) if w.starts]
+             "start_method": getattr(w, "start_method", None), **w.facts}  # Ray worlds have none
+            for w in (pool.worlds() if pool is not None else []) if w.starts]
 
 
 @pytest.fixture(scope="session")

@@ -30,16 +30,10 @@ def _trained(digest_per_rank) -> list[dict[str, str]]:
     return [{k: v for k, v in d.items() if not k.startswith("grads:")} for d in digest_per_rank]
 
 
-@pytest.fixture(scope="module")
-def _plain_runs():
-    return {}
-
-
-def _plain(policy, where, layout, dtype, cache) -> list[tuple[dict, list]]:
-    """(step stats, digests) after each of STEPS plain steps, once per (device, spec, layout, dtype):
-    a TE-spec run is not the local spec's plain run (keyed by layout alone, the local spec's machine
-    was once compared with TE's plain run, on an H100, 2026-11-24)."""
-    key = (*where, layout, dtype)
+def _plain(policy, layout, dtype, cache) -> list[tuple[dict, list]]:
+    """(step stats, digests) after each of STEPS plain steps, once per (layout, dtype) in the
+    device's and spec's `reference_runs`."""
+    key = ("offload-plain", layout, dtype)
     if key not in cache:
         plain = policy(layout, MODEL, **CONFIG, dtype=dtype)
         cache[key] = [(plain.step(train_batch(k)), _trained(plain.apply(digests))) for k in range(STEPS)]
@@ -150,8 +144,8 @@ class OffloadMachine(RuleBasedStateMachine):
                 assert entry["shadow_allocations"] == len(ids), (rank, c)
 
 
-def _run_machine(policy, where, layout, dtype, tmp_path_factory, cache, examples, steps):
-    plain = _plain(policy, where, layout, dtype, cache)
+def _run_machine(policy, layout, dtype, tmp_path_factory, cache, examples, steps):
+    plain = _plain(policy, layout, dtype, cache)
 
     def make():
         return policy(layout, MODEL, **CONFIG, dtype=dtype), plain, tmp_path_factory.mktemp("sm")
@@ -166,16 +160,16 @@ def _run_machine(policy, where, layout, dtype, tmp_path_factory, cache, examples
 
 
 @pytest.mark.layouts(cpu=["dp2"], cuda="all")
-def test_offload_cycles_change_no_training_step(policy, device, spec, layout, tmp_path_factory, _plain_runs):
-    _run_machine(policy, (device, spec), layout, "fp32", tmp_path_factory, _plain_runs, examples=6, steps=20)
+def test_offload_cycles_change_no_training_step(policy, device, layout, tmp_path_factory, reference_runs):
+    _run_machine(policy, layout, "fp32", tmp_path_factory, reference_runs, examples=6, steps=20)
 
 
 @pytest.mark.nightly
 @pytest.mark.layouts(cpu=["dp2", "tp2", "pp2"], cuda="all")
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_offload_cycles_change_no_training_step_nightly(policy, device, spec, layout, dtype, tmp_path_factory,
-                                                       _plain_runs):
-    _run_machine(policy, (device, spec), layout, dtype, tmp_path_factory, _plain_runs, examples=12, steps=24)
+def test_offload_cycles_change_no_training_step_nightly(policy, device, layout, dtype, tmp_path_factory,
+                                                       reference_runs):
+    _run_machine(policy, layout, dtype, tmp_path_factory, reference_runs, examples=12, steps=24)
 
 
 @pytest.mark.layouts(cpu=["dp2", "tp2", "pp2"], cuda="all")

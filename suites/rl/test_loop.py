@@ -35,23 +35,18 @@ def _trajectory(history):
     return [(h.metrics(), h.tokens) for h in history]
 
 
-@pytest.fixture(scope="module")
-def runs():
-    return {}
-
-
 def _reference(rl_loop, report, runs, iterations, layout="dp2"):
-    """The run the other tests compare with (dp2; tp1 on one GPU), once per device, layer spec and
-    length."""
-    key = (rl_loop.device, rl_loop.spec, layout, iterations)
+    """The run the other tests compare with (dp2; tp1 on one GPU), once per length in the device's and
+    spec's `reference_runs`."""
+    key = ("rl-loop", layout, iterations)
     if key not in runs:
         runs[key] = _run(rl_loop, layout, report, iterations=iterations)
     return runs[key]
 
 
 @pytest.mark.layouts(cpu=["dp2"], cuda=["tp1", "dp2"])
-def test_the_same_seed_gives_the_same_trajectory(rl_loop, device, layout, report, runs):
-    first = _reference(rl_loop, report, runs, 3, layout)
+def test_the_same_seed_gives_the_same_trajectory(rl_loop, device, layout, report, reference_runs):
+    first = _reference(rl_loop, report, reference_runs, 3, layout)
     again = _run(rl_loop, layout, iterations=3)
     if device == "cpu":
         assert _trajectory(again) == _trajectory(first)  # bit for bit
@@ -62,7 +57,7 @@ def test_the_same_seed_gives_the_same_trajectory(rl_loop, device, layout, report
 
 
 @pytest.mark.layouts(cpu=["dp2"])
-def test_the_same_seed_gives_the_committed_trajectory_on_any_machine(rl_loop, device, layout, report, runs):
+def test_the_same_seed_gives_the_committed_trajectory_on_any_machine(rl_loop, device, layout, report, reference_runs):
     """The claim's reach: bit for bit against the trajectory committed from another machine
     (suites/rl/golden.py), under the pinned CPU arithmetic and the same library versions. With
     --mrh-cpu-isa native, or other versions, the claim covers one machine only: skipped, with why."""
@@ -78,7 +73,7 @@ def test_the_same_seed_gives_the_committed_trajectory_on_any_machine(rl_loop, de
     if golden.versions() != want["versions"]:
         pytest.skip(f"recorded with {want['versions']}, this environment has {golden.versions()}: another "
                     "version may round differently (CI installs ci/constraints/harness-cpu.txt)")
-    got = golden.trajectory(_reference(rl_loop, report, runs, golden.ITERATIONS))
+    got = golden.trajectory(_reference(rl_loop, report, reference_runs, golden.ITERATIONS))
     mismatched = [w["iteration"] for w, g in zip(want["iterations"], got) if w != g]
     report.add("iterations_not_bit_equal", len(mismatched), tolerance=0, passed=not mismatched, layout=layout,
                model=golden.MODEL, dtype="fp32", claim="exact", against=str(golden.PATH.name))
@@ -86,9 +81,9 @@ def test_the_same_seed_gives_the_committed_trajectory_on_any_machine(rl_loop, de
 
 
 @pytest.mark.layouts(cpu=["tp2", "pp2"], cuda=["tp2", "pp2", "pp2vpp2", "tp2-sp"])
-def test_the_trajectory_is_the_same_at_every_layout(rl_loop, device, layout, report, runs):
+def test_the_trajectory_is_the_same_at_every_layout(rl_loop, device, layout, report, reference_runs):
     """Same rollouts (tokens), same rewards; grad norm within the training table's fp32 bound of dp2."""
-    want = _reference(rl_loop, report, runs, 3)
+    want = _reference(rl_loop, report, reference_runs, 3)
     got = _run(rl_loop, layout, report, iterations=3)
     bound = TRAINING.get("grad_norm_rel_diff", "fp32")
     for w, g in zip(want, got):
@@ -103,8 +98,8 @@ def test_the_trajectory_is_the_same_at_every_layout(rl_loop, device, layout, rep
 
 
 @pytest.mark.layouts(cpu=["dp2"], cuda=["tp1", "dp2"])
-def test_the_reward_goes_up(rl_loop, device, layout, report, runs):
-    history = _reference(rl_loop, report, runs, 8, layout)
+def test_the_reward_goes_up(rl_loop, device, layout, report, reference_runs):
+    history = _reference(rl_loop, report, reference_runs, 8, layout)
     rewards = [h.reward_mean for h in history]
     gain = sum(rewards[-3:]) / 3 - sum(rewards[:3]) / 3
     report.add("reward_gain_last3_minus_first3", gain, tolerance=REWARD_GAIN, passed=gain >= REWARD_GAIN, claim="bounded",
@@ -114,8 +109,8 @@ def test_the_reward_goes_up(rl_loop, device, layout, report, runs):
 
 
 @pytest.mark.layouts(cpu=["dp2"], cuda=["tp1", "dp2"])
-def test_colocation_offloads_around_generation_and_changes_nothing(rl_loop, device, layout, report, runs):
-    want = _reference(rl_loop, report, runs, 3, layout)
+def test_colocation_offloads_around_generation_and_changes_nothing(rl_loop, device, layout, report, reference_runs):
+    want = _reference(rl_loop, report, reference_runs, 3, layout)
     loop = rl_loop(layout, iterations=3, colocate=True)
     states = []
     generate = loop.engine.generate
@@ -136,10 +131,10 @@ def test_colocation_offloads_around_generation_and_changes_nothing(rl_loop, devi
 
 
 @pytest.mark.layouts(cpu=["dp2"], cuda=["dp2"])
-def test_a_kl_penalty_brings_in_the_reference_and_changes_the_step(rl_loop, device, layout, runs, report):
+def test_a_kl_penalty_brings_in_the_reference_and_changes_the_step(rl_loop, device, layout, reference_runs, report):
     """kl_coef > 0: a frozen reference's logprobs enter the loss. Step 1 samples what the plain run
     sampled (same weights after step 0's zero KL), but its update differs once the policy moved."""
-    want = _reference(rl_loop, report, runs, 3)
+    want = _reference(rl_loop, report, reference_runs, 3)
     loop = rl_loop(layout, iterations=3, kl_coef=0.5)
     assert loop.reference is not None
     got = loop.run()
