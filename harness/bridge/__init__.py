@@ -14,7 +14,8 @@ Parent-side: `check_model_supported(name_or_dir_or_config)` (harness.bridge.pref
 every model feature the bridge would not convert faithfully, before any rank starts.
 """
 from harness.bridge.export import export_hf_state_dict
-from harness.bridge.load import BridgeInfo, bridge_info, hf_bridge, load_megatron_model
+from harness.bridge.load import (BridgeInfo, bridge_info, hf_bridge, hf_config, iter_hf_weights, load_megatron_model,
+                                 unwrap_model)
 from harness.bridge.mbridge_compat import HarnessBridgeMixin, make_bridge, resolve_spec
 from harness.bridge.preflight import (
     SUPPORTED_MODEL_TYPES,
@@ -33,7 +34,8 @@ __all__ = [
     "BridgeInfo", "HarnessBridgeMixin", "LocalRMSNorm", "SUPPORTED_MODEL_TYPES",
     "UnsupportedModelError", "UnsupportedVersionError", "bridge_info", "check_hf_config",
     "check_model_supported",
-    "check_supported_versions", "export_hf_state_dict", "hf_bridge", "load_megatron_model",
+    "check_supported_versions", "export_hf_state_dict", "hf_bridge", "hf_config", "iter_hf_weights",
+    "load_megatron_model", "unwrap_model",
     "local_block_spec", "make_bridge", "norm_slots", "resolve_spec", "te_available",
     "use_local_norms",
 ]

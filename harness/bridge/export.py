@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.bridge.load import hf_bridge
+from harness.bridge.load import iter_hf_weights
 
 
 @torch.no_grad()
@@ -16,12 +16,9 @@ def export_hf_state_dict(models: list[torch.nn.Module],
     model.embed_tokens.weight and no lm_head.weight. Vocab padding is sliced off. Values are
     copies in the model's dtype on `device`; in float32 they equal the HF weights bit for bit.
     """
-    from mbridge.core.util import unwrap_model
-
-    bridge = hf_bridge(models)
     state: dict[str, torch.Tensor] = {}
-    for name, tensor in bridge.export_weights(unwrap_model(list(models))):
-        # Copy: mbridge yields views into its gather buffers.
+    for name, tensor in iter_hf_weights(models):
+        # Copy: the bridge yields views into its gather buffers.
         tensor = tensor.detach().to(device).clone(memory_format=torch.contiguous_format)
         if name not in state:
             state[name] = tensor

@@ -76,10 +76,16 @@ def load_megatron_model(
     return models
 
 
-def _innermost(models: list[torch.nn.Module]) -> torch.nn.Module:
-    from mbridge.core.util import unwrap_model
+def unwrap_model(models: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The innermost GPTModel of each chunk (DDP, FSDP and Float16Module wrappers removed):
+    megatron-core's own helper, the same on every bridge."""
+    from megatron.core.utils import unwrap_model as unwrap
 
-    chunk = unwrap_model(list(models))[0]
+    return unwrap(list(models))
+
+
+def _innermost(models: list[torch.nn.Module]) -> torch.nn.Module:
+    chunk = unwrap_model(models)[0]
     if not hasattr(chunk, "harness_bridge"):
         raise ValueError("these modules were not built by harness.bridge.load_megatron_model")
     return chunk
@@ -91,8 +97,23 @@ def bridge_info(models: list[torch.nn.Module]) -> BridgeInfo:
 
 
 def hf_bridge(models: list[torch.nn.Module]):
-    """The mbridge bridge instance that built `models` (for name mappings and export)."""
+    """The native bridge object that built `models` (bridge-specific tests only; everything else
+    goes through `hf_config` and `iter_hf_weights`)."""
     return _innermost(models).harness_bridge
+
+
+def hf_config(models: list[torch.nn.Module]):
+    """The HF config of the checkpoint `models` were loaded from."""
+    return _innermost(models).harness_bridge.hf_config
+
+
+def iter_hf_weights(models: list[torch.nn.Module]):
+    """(HF name, full tensor) for every weight of `models`, walked by every rank of the
+    model-parallel group together (shards gathered over TP, stages broadcast over PP). A tensor is
+    valid until the next item (a view into a gather buffer): copy what you keep. A tied model under
+    PP yields its embedding once per copy (the first stage's, then the last stage's): callers check
+    the copies are equal."""
+    return iter(hf_bridge(models).export_weights(unwrap_model(models)))
 
 
 def _check_every_hf_tensor_is_used(bridge, chunks: list[torch.nn.Module], path: Path) -> None:

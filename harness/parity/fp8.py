@@ -108,7 +108,7 @@ def _require_fp8_gpu() -> None:
 def _layer_weights_scaled(models: list[torch.nn.Module], factor: float):
     """Every 2-D weight of the transformer layers times `factor` (a power of two: exact in bf16),
     and back on exit."""
-    from mbridge.core.util import unwrap_model
+    from harness.bridge import unwrap_model
 
     weights = [p for chunk in unwrap_model(models) for name, p in chunk.named_parameters()
                if name.startswith("decoder.layers.") and p.dim() == 2]

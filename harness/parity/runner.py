@@ -164,7 +164,7 @@ def copy_state(source: list[torch.nn.Module], target: list[torch.nn.Module]) -> 
     """Everything `source`'s chunks hold into `target`'s (same spec and layout, any dtype), by name:
     every parameter and buffer, and every tensor a module keeps as a plain attribute (Megatron's
     RoPE `inv_freq` is one): the target then holds exactly what the source holds, upcast."""
-    from mbridge.core.util import unwrap_model
+    from harness.bridge import unwrap_model
 
     for src, dst in zip(unwrap_model(source), unwrap_model(target), strict=True):
         targets = dict(dst.named_modules())

@@ -24,7 +24,7 @@ def check_variant(variant_id: str | None, layout, config):
 
 # ----------------------------------------------------------------------------- rank-side
 def _params(models: list[torch.nn.Module]):
-    from mbridge.core.util import unwrap_model
+    from harness.bridge import unwrap_model
 
     for chunk in unwrap_model(list(models)):
         yield chunk, dict(chunk.named_parameters())
@@ -32,7 +32,7 @@ def _params(models: list[torch.nn.Module]):
 
 def _layers(models, number: int):
     """The decoder layer with 1-based global `layer_number` on this rank (none if another stage holds it)."""
-    from mbridge.core.util import unwrap_model
+    from harness.bridge import unwrap_model
 
     for chunk in unwrap_model(list(models)):
         for layer in chunk.decoder.layers:
@@ -124,11 +124,10 @@ def _unsync_tied_embedding(models) -> None:
 def _drop_rope_scaling(models) -> None:
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    from harness.bridge import hf_bridge
+    from harness.bridge import hf_config
     from harness.bridge.preflight import rope_settings
 
-    hf_config = hf_bridge(models).hf_config
-    if rope_settings(hf_config).llama3 is None:  # a no-op variant would "pass" its negative control
+    if rope_settings(hf_config(models)).llama3 is None:  # a no-op variant would "pass" its negative control
         raise VariantError("variant 'dropped-rope-scaling' needs a model with Llama-3 RoPE scaling")
     for chunk, _ in _params(models):
         rope = chunk.rotary_pos_emb

@@ -1,6 +1,6 @@
 """Weight sync: the policy's weights, from any layout, into a rollout engine, bucket by bucket.
 
-Every rank walks the bridge's export together (mbridge gathers TP shards and broadcasts PP stages
+Every rank walks the bridge's export together (the bridge gathers TP shards and broadcasts PP stages
 tensor by tensor); rank 0 keeps each tensor only until its bucket is full and sent. So no rank ever
 holds a full-model copy: the driver receives one bucket of at most `bucket_bytes` (or one tensor,
 when a single tensor is larger) per call and hands it to `engine.update_weights`. The MLP's gate
@@ -107,18 +107,17 @@ class _Stream:
 
     def __init__(self, models, bucket_bytes: int, variant: str | None) -> None:
         import torch.distributed as dist
-        from mbridge.core.util import unwrap_model
         from megatron.core import parallel_state as ps
 
-        from harness.bridge.load import hf_bridge
+        from harness.bridge import iter_hf_weights, unwrap_model
 
-        self.items: Iterator = iter(hf_bridge(models).export_weights(unwrap_model(list(models))))
+        self.items: Iterator = iter_hf_weights(models)
         self.limit = bucket_bytes
         self.variant = variant
         self.keep = dist.get_rank() == 0
         self.tp = ps.get_tensor_model_parallel_world_size()
         self.pp = ps.get_pipeline_model_parallel_world_size()
-        self.tied = bool(getattr(unwrap_model(list(models))[0], "share_embeddings_and_output_weights", False))
+        self.tied = bool(getattr(unwrap_model(models)[0], "share_embeddings_and_output_weights", False))
         self.sent: dict[str, torch.Tensor | None] = {}  # name -> the copy, kept for embeddings only
         self.halves: dict[str, dict[str, torch.Tensor]] = {}  # MLP prefix -> gate/up awaiting its pair
         self.ready: list[tuple[str, torch.Tensor]] = []  # transformed, not yet in a bucket
@@ -143,7 +142,7 @@ class _Stream:
 
     @torch.no_grad()
     def _transform(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        # Copy: mbridge yields views into its gather buffers. Ranks other than 0 keep a meta
+        # Copy: the bridge yields views into its gather buffers. Ranks other than 0 keep a meta
         # tensor of the same size (only sizes decide the cuts).
         tensor = (tensor.detach().to("cpu").clone(memory_format=torch.contiguous_format) if self.keep
                   else torch.empty(tensor.shape, dtype=tensor.dtype, device="meta"))

@@ -355,7 +355,7 @@ class PolicyWorker:
         missing reduction (finalize_model_grads unset) lets the replicas drift apart, which no
         comparison of one rank's weights with a ground truth sees in bf16."""
         import torch.distributed as dist
-        from mbridge.core.util import unwrap_model
+        from harness.bridge import unwrap_model
 
         ps = self.ps
         full = self._full_main_params()
@@ -383,7 +383,7 @@ class PolicyWorker:
 
     # ------------------------------------------------- checkpoints (rank side of harness.checkpoint)
     def _chunks(self) -> list[torch.nn.Module]:
-        from mbridge.core.util import unwrap_model
+        from harness.bridge import unwrap_model
 
         return unwrap_model(list(self.models))
 
