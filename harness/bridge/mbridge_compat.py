@@ -57,7 +57,8 @@ from typing import Any, Literal, Mapping, Optional
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from harness.bridge.norms import NORM_PRECISIONS, local_block_spec
+from harness.bridge.norms import local_block_spec, resolve_norm_precision  # noqa: F401  (re-exported)
+from harness.bridge.specs import resolve as resolve_spec  # noqa: F401  (re-exported)
 from harness.bridge.preflight import (  # noqa: F401  (re-exported: the rank-side second guard)
     SUPPORTED_MODEL_TYPES,
     RopeSettings,
@@ -78,19 +79,6 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOCAL_NORM = re.compile(r"decoder\.layers\.(\d+)\.(input_layernorm|pre_mlp_layernorm)\.weight")
 _LOCAL_NORM_TO_HF = {"input_layernorm": "input_layernorm",
                      "pre_mlp_layernorm": "post_attention_layernorm"}
-
-
-def resolve_spec(spec: SpecChoice | None = None) -> Literal["te", "local"]:
-    """`spec`, or this process's (a rank's: its world's, harness.bridge.specs); never guessed
-    from what is installed."""
-    from harness.bridge import specs
-
-    spec = spec or specs.current()
-    if spec not in specs.SPECS:
-        raise ValueError(f"spec must be one of {specs.SPECS}, got {spec!r}")
-    if spec == "te" and not te_available():
-        raise RuntimeError("spec='te' requested but `import transformer_engine` fails")
-    return spec
 
 
 class HarnessBridgeMixin:
@@ -186,20 +174,6 @@ def llama3_inv_freq(rotary: torch.nn.Module, rope: RopeSettings,
 @functools.cache
 def _harness_class(base: type) -> type:
     return type(f"Harness{base.__name__}", (HarnessBridgeMixin, base), {})
-
-
-def resolve_norm_precision(norm_precision: str, spec: Literal["te", "local"]) -> str:
-    """"auto": "hf" on the local spec (LocalRMSNorm rounds as HF and vLLM do), "fused" on the TE
-    spec (TE's norms round once, after the weight; TE offers nothing else)."""
-    if norm_precision == "auto":
-        return "fused" if spec == "te" else "hf"
-    if norm_precision not in NORM_PRECISIONS:
-        raise ValueError(f"norm_precision must be 'auto' or one of {sorted(NORM_PRECISIONS)}, "
-                         f"got {norm_precision!r}")
-    if spec == "te" and norm_precision != "fused":
-        raise ValueError(f"norm_precision={norm_precision!r} needs the local spec: Transformer "
-                         "Engine's norms round as 'fused'")
-    return norm_precision
 
 
 def make_bridge(path: str | Path, *, dtype: torch.dtype = torch.float32,

@@ -192,3 +192,17 @@ def local_block_spec(config: Any, *, vp_stage: Optional[int] = None,
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                       normalization=config.normalization, **extra)
     return use_local_norms(spec, norm_class(norm_precision))
+
+
+def resolve_norm_precision(norm_precision: str, spec: str) -> str:
+    """"auto": "hf" on the local spec (LocalRMSNorm rounds as HF and vLLM do), "fused" on the TE
+    spec (TE's norms round once, after the weight; TE offers nothing else)."""
+    if norm_precision == "auto":
+        return "fused" if spec == "te" else "hf"
+    if norm_precision not in NORM_PRECISIONS:
+        raise ValueError(f"norm_precision must be 'auto' or one of {sorted(NORM_PRECISIONS)}, "
+                         f"got {norm_precision!r}")
+    if spec == "te" and norm_precision != "fused":
+        raise ValueError(f"norm_precision={norm_precision!r} needs the local spec: Transformer "
+                         "Engine's norms round as 'fused'")
+    return norm_precision

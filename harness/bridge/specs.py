@@ -54,3 +54,15 @@ def selected(choice: str, device: str) -> list[str]:
 def current() -> str:
     """This process's spec: a rank's is its world's; anywhere else `local` unless set."""
     return for_world("cuda", os.environ.get(ENV) or "local")
+
+
+def resolve(spec: str | None = None) -> str:
+    """`spec`, or this process's (a rank's: its world's); never guessed from what is installed."""
+    from harness.bridge.versions import te_available
+
+    spec = spec or current()
+    if spec not in SPECS:
+        raise ValueError(f"spec must be one of {SPECS}, got {spec!r}")
+    if spec == "te" and not te_available():
+        raise RuntimeError("spec='te' requested but `import transformer_engine` fails")
+    return spec

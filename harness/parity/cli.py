@@ -10,7 +10,7 @@ import sys
 import time
 
 from harness.bridge import specs
-from harness.bridge.mbridge_compat import resolve_norm_precision
+from harness.bridge.norms import resolve_norm_precision
 from harness.launch import WorldPool
 from harness.parallel.layout import LayoutError, parse_layout_list, resolve, validate
 from harness.parity.runner import DTYPES, REFERENCES, ParityCase, prepare_model, run_parity

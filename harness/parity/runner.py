@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from harness.data.rl_batch import RLBatch, standard_parity_batch
-from harness.bridge.mbridge_compat import resolve_norm_precision, resolve_spec
+from harness.bridge.norms import resolve_norm_precision
+from harness.bridge.specs import resolve as resolve_spec
 from harness.parallel.layout import Layout, parse_layout, resolve, validate
 from harness.parallel.state import run_in_layout
 from harness.parity.metrics import compare_logprobs, top1_agreement

@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
 from harness.bridge import versions
-from harness.bridge.mbridge_compat import resolve_norm_precision, resolve_spec
+from harness.bridge.norms import resolve_norm_precision
+from harness.bridge.specs import resolve as resolve_spec
 from harness.bridge.preflight import UnsupportedModelError, check_hf_config
 from harness.models import load_hf_config, resolve_model
 from harness.parallel.state import run_in_layout
