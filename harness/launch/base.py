@@ -52,12 +52,13 @@ class WorldBase:
         self.failure_grace = failure_grace
         self.death_grace = death_grace
         from harness.backends import cpu_arithmetic
-        from harness.bridge import specs
+        from harness.bridge import backends, specs
 
         self.spec = specs.for_world(device, spec)  # the layer spec its ranks build models with
+        self.bridge = backends.for_world(os.environ.get(backends.ENV))  # the bridge its ranks load models with
         # The ranks compute with the CPU kernels this process pinned, wherever they run (a Ray node
         # does not inherit this environment): harness.backends.cpu_arithmetic.
-        self.env = {**cpu_arithmetic.env(), **(env or {}), specs.ENV: self.spec}
+        self.env = {**cpu_arithmetic.env(), **(env or {}), specs.ENV: self.spec, backends.ENV: self.bridge}
         self.echo_output = echo_output
         self.echo_to = echo_to  # where echoed rank output goes: a file, or None for this process's stdout
         self.facts: dict[str, Any] = {}  # what rank 0 computes with (harness.launch.facts), per start

@@ -27,6 +27,7 @@ PACKAGES: dict[str, tuple[str, ...]] = {
     "torch": ("torch",),
     "megatron-core": ("megatron-core",),
     "mbridge": ("mbridge",),
+    "megatron-bridge": ("megatron-bridge",),
     # TE ships under several distribution names depending on the CUDA major version.
     "transformer-engine": ("transformer-engine", "transformer-engine-cu12", "transformer-engine-cu13"),
     "transformers": ("transformers",),
@@ -38,7 +39,8 @@ ARITHMETIC_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx
                     "amx_tile", "amx_bf16", "amx_int8")
 # The fields whose difference may move a figure (compare.py prints them when two runs differ).
 ARITHMETIC_KEYS = ("cpu_model", "cpu_flags", "cpu_isa", "cpu_kernels", "cpu_count", "torch_threads", "python",
-                   "torch", "megatron-core", "mbridge", "transformer-engine", "transformers", "cuda", "gpu_model")
+                   "torch", "megatron-core", "mbridge", "megatron-bridge", "transformer-engine", "transformers", "cuda",
+                   "gpu_model")
 
 
 def environment_fingerprint(device: str | None = None) -> dict[str, Any]:
