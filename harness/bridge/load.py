@@ -52,12 +52,10 @@ def load_megatron_model(
     Logits have `padded_vocab_size / TP` columns per TP rank; see `bridge_info(models)`.
     Raises if any tensor of the checkpoint is left unused by the Megatron model.
     """
-    from mbridge.core.util import unwrap_model
-
     path = resolve_model(name_or_path, cache_dir, seed)
-    bridge = make_bridge(path, dtype=dtype, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                         spec=spec, sequence_parallel=sequence_parallel,
-                         norm_precision=norm_precision, config_overrides=config_overrides)
+    bridge = _make_bridge(path, dtype=dtype, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                          spec=spec, sequence_parallel=sequence_parallel,
+                          norm_precision=norm_precision, config_overrides=config_overrides)
     models = bridge.get_model(
         weight_path=None, fp16=dtype is torch.float16, bf16=dtype is torch.bfloat16,
         wrap_with_ddp=wrap_with_ddp, ddp_config=dict(ddp_config) if ddp_config else None)
@@ -74,6 +72,17 @@ def load_megatron_model(
         chunk.harness_bridge = bridge
         chunk.harness_info = info
     return models
+
+
+def _make_bridge(path: Path, **kwargs: Any):
+    """This process's bridge (harness.bridge.backends.current) for the checkpoint at `path`."""
+    from harness.bridge import backends
+
+    if backends.current() == "megatron-bridge":
+        from harness.bridge.backends.megatron_bridge import MegatronBridgeHandle
+
+        return MegatronBridgeHandle(path, **kwargs)
+    return make_bridge(path, **kwargs)
 
 
 def unwrap_model(models: list[torch.nn.Module]) -> list[torch.nn.Module]:
@@ -117,12 +126,24 @@ def iter_hf_weights(models: list[torch.nn.Module]):
 
 
 def _check_every_hf_tensor_is_used(bridge, chunks: list[torch.nn.Module], path: Path) -> None:
-    """mbridge walks Megatron's parameters, so an HF tensor without a Megatron counterpart (e.g. an
+    """A bridge walks Megatron's parameters, so an HF tensor without a Megatron counterpart (e.g. an
     o_proj bias) would be skipped without a word; refuse such a checkpoint instead. (The parent
     checks the same from the tensor names first: harness.bridge.preflight; this is the second guard,
     against the names the Megatron model really maps.)"""
+    from harness.bridge.preflight import checkpoint_tensor_names
+
+    on_disk = set(checkpoint_tensor_names(path))
+    if hasattr(bridge, "unused_hf_tensors"):
+        unused = bridge.unused_hf_tensors(chunks, on_disk)
+    else:
+        unused = _unused_by_mbridge(bridge, chunks, on_disk)
+    if unused:
+        raise ValueError(f"{path}: checkpoint tensors with no Megatron counterpart (they would be "
+                         f"dropped silently): {unused}")
+
+
+def _unused_by_mbridge(bridge, chunks: list[torch.nn.Module], on_disk: set[str]) -> list[str]:
     import torch.distributed as dist
-    from mbridge.core.safetensor_io import SafeTensorIO
     from megatron.core import parallel_state
 
     used: set[str] = set()
@@ -133,10 +154,6 @@ def _check_every_hf_tensor_is_used(bridge, chunks: list[torch.nn.Module], path: 
     per_stage: list[Any] = [None] * parallel_state.get_pipeline_model_parallel_world_size()
     dist.all_gather_object(per_stage, sorted(used), group=parallel_state.get_pipeline_model_parallel_group())
     used = set().union(*per_stage)
-    on_disk = set(SafeTensorIO(str(path)).load_hf_weight_names())
     if bridge.harness_tied:
         used.add("lm_head.weight")  # some tied checkpoints store the duplicate anyway
-    unused = sorted(n for n in on_disk - used if not n.endswith(NOT_WEIGHTS))
-    if unused:
-        raise ValueError(f"{path}: checkpoint tensors with no Megatron counterpart (they would be "
-                         f"dropped silently): {unused}")
+    return sorted(n for n in on_disk - used if not n.endswith(NOT_WEIGHTS))

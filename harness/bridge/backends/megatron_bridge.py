@@ -1,0 +1,131 @@
+"""NVIDIA Megatron-Bridge (0.6, on megatron-core 0.19) behind the interface mbridge's bridges give
+`harness.bridge.load`: `get_model`, `load_weights`, `export_weights`, `unused_hf_tensors` and the
+model's facts. Rank-side, after Megatron's parallel state is initialized.
+
+What is set on Megatron-Bridge's model provider, and why (so that both bridges build the same model):
+- the parallel sizes from parallel_state (the provider would otherwise build a TP1/PP1 model);
+- the vocab padded to 128 x TP, as mbridge and Megatron-LM do (Megatron-Bridge pads only when told,
+  and the zoo's 251-token vocab cannot be split over TP unpadded);
+- the local spec with the harness's RMSNorm in every slot (harness.bridge.norms.local_block_spec) and
+  Megatron's local attention when the spec is local; TE's spec as the provider builds it otherwise;
+- the fusions Megatron-Bridge turns on by default off on the local spec (gradient accumulation fusion,
+  bias-activation / bias-dropout fusion, persistent layer norm, RoPE fusion: each needs TE or apex
+  kernels, and LocalRMSNorm refuses persist_layer_norm); masked softmax fusion only where its kernels
+  exist (harness fix 5 of mbridge_compat);
+- `attention_softmax_in_fp32` True and `deallocate_pipeline_outputs` False: what megatron-core (and
+  so mbridge) defaults to, where Megatron-Bridge's provider defaults differ;
+- mbridge's pipeline settings (variable sequence lengths, no batched p2p).
+"""
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import torch
+from transformers import AutoConfig
+
+from harness.bridge.norms import local_block_spec, resolve_norm_precision
+from harness.bridge.preflight import NOT_WEIGHTS, check_hf_config, rope_settings
+from harness.bridge.specs import resolve as resolve_spec
+from harness.bridge.versions import fused_softmax_kernels_available
+
+_LOCAL_FUSIONS_OFF = ("gradient_accumulation_fusion", "bias_activation_fusion", "bias_dropout_fusion",
+                      "persist_layer_norm", "apply_rope_fusion", "moe_permute_fusion")
+_PADDED = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+class MegatronBridgeHandle:
+    """One checkpoint's Megatron-Bridge `AutoBridge` and model provider, configured for this rank."""
+
+    def __init__(self, path: str | Path, *, dtype: torch.dtype, make_vocab_size_divisible_by: int = 128,
+                 spec: str | None = None, sequence_parallel: bool = False, norm_precision: str = "auto",
+                 config_overrides: Mapping[str, Any] | None = None) -> None:
+        from harness.compat.megatron_bridge import import_bridge
+
+        import_bridge()
+        from megatron.bridge import AutoBridge
+        from megatron.core import parallel_state as ps
+
+        self.hf_config = AutoConfig.from_pretrained(path)
+        check_hf_config(self.hf_config)
+        if rope_settings(self.hf_config).llama3:  # not yet carried over from mbridge_compat (override 4)
+            raise NotImplementedError("llama3 RoPE scaling on Megatron-Bridge is not verified yet")
+        self.harness_spec = resolve_spec(spec)
+        self.harness_norm_precision = resolve_norm_precision(norm_precision, self.harness_spec)
+        self.harness_tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
+        self.dtype = dtype
+        self.auto = AutoBridge.from_hf_pretrained(str(path), torch_dtype=dtype)
+        provider = self.auto.to_megatron_provider(load_weights=False)
+        provider.tensor_model_parallel_size = ps.get_tensor_model_parallel_world_size()
+        provider.pipeline_model_parallel_size = ps.get_pipeline_model_parallel_world_size()
+        provider.virtual_pipeline_model_parallel_size = ps.get_virtual_pipeline_model_parallel_world_size()
+        provider.context_parallel_size = ps.get_context_parallel_world_size()
+        provider.sequence_parallel = sequence_parallel
+        provider.should_pad_vocab = True
+        provider.make_vocab_size_divisible_by = make_vocab_size_divisible_by
+        overrides: dict[str, Any] = {
+            "attention_softmax_in_fp32": True, "deallocate_pipeline_outputs": False,
+            "variable_seq_lengths": True, "batch_p2p_comm": False,
+            # 0.19 refuses variable sequence lengths with any other dispatcher, even in a dense model
+            "moe_token_dispatcher_type": "alltoall",
+            "masked_softmax_fusion": self.harness_spec == "te" or fused_softmax_kernels_available(),
+        }
+        if self.harness_spec == "local":
+            from megatron.core.transformer.enums import AttnBackend
+
+            provider.transformer_layer_spec = self._local_spec
+            provider.attention_backend = AttnBackend.local
+            overrides.update({name: False for name in _LOCAL_FUSIONS_OFF if hasattr(provider, name)})
+        provider.perform_initialization = False  # every parameter is loaded (unused_hf_tensors checks it)
+        provider.apply_overrides_and_finalize(dtype=dtype, overrides={**overrides, **(config_overrides or {})})
+        self.provider = provider
+        self.config = provider
+        tp = provider.tensor_model_parallel_size
+        self.vocab_size = self.hf_config.vocab_size
+        multiple = make_vocab_size_divisible_by * tp
+        self.padded_vocab_size = -(-self.vocab_size // multiple) * multiple
+
+    def _local_spec(self, config, vp_stage: int | None = None):
+        return local_block_spec(config, vp_stage=vp_stage, norm_precision=self.harness_norm_precision)
+
+    # ----------------------------------------------------------------- what harness.bridge.load calls
+    def get_model(self, *, weight_path=None, fp16: bool = False, bf16: bool = False, wrap_with_ddp: bool = False,
+                  ddp_config: Mapping[str, Any] | None = None) -> list[torch.nn.Module]:
+        from megatron.core.distributed import DistributedDataParallelConfig
+
+        ddp = None
+        if wrap_with_ddp:  # mbridge's defaults, then the caller's
+            ddp = DistributedDataParallelConfig(**{"grad_reduce_in_fp32": True, "use_distributed_optimizer": True,
+                                                   **(ddp_config or {})})
+        on_cpu = not torch.cuda.is_available() or torch.distributed.get_backend() == "gloo"
+        kwargs = dict(ddp_config=ddp, wrap_with_ddp=wrap_with_ddp, fp16=fp16, bf16=bf16,
+                      use_cpu_initialization=on_cpu, data_parallel_random_init=False)
+        accepted = inspect.signature(self.provider.provide_distributed_model).parameters
+        return self.provider.provide_distributed_model(**{k: v for k, v in kwargs.items() if k in accepted})
+
+    def load_weights(self, chunks: list[torch.nn.Module], path: str) -> None:
+        self.auto.load_hf_weights(chunks)
+
+    def export_weights(self, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF names and full tensors, the vocab padding sliced off; a tied model's `lm_head.weight`
+        (yielded only when the checkpoint stores the duplicate) dropped, as mbridge's export has it."""
+        for name, tensor in self.auto.export_hf_weights(chunks, cpu=False, show_progress=False):
+            if name == "lm_head.weight" and self.harness_tied:
+                continue
+            if name in _PADDED:
+                tensor = tensor[: self.vocab_size]
+            yield name, tensor
+
+    def unused_hf_tensors(self, chunks: list[torch.nn.Module], on_disk: set[str]) -> list[str]:
+        """Checkpoint tensors no conversion task reads (Megatron-Bridge only warns about them and
+        leaves the parameter as built: uninitialized, with perform_initialization off)."""
+        used: set[str] = set()
+        for task in self.auto.get_conversion_tasks(chunks):
+            if task is None:
+                continue
+            hf = task.mapping.hf_param
+            used.update(hf.values() if isinstance(hf, Mapping) else [hf])
+        if self.harness_tied:
+            used.add("lm_head.weight")
+        return sorted(n for n in on_disk - used if not n.endswith(NOT_WEIGHTS))
