@@ -49,8 +49,6 @@ class MegatronBridgeHandle:
 
         self.hf_config = AutoConfig.from_pretrained(path)
         check_hf_config(self.hf_config)
-        if rope_settings(self.hf_config).llama3:  # not yet carried over from mbridge_compat (override 4)
-            raise NotImplementedError("llama3 RoPE scaling on Megatron-Bridge is not verified yet")
         self.harness_spec = resolve_spec(spec)
         self.harness_norm_precision = resolve_norm_precision(norm_precision, self.harness_spec)
         self.harness_tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
@@ -77,6 +75,10 @@ class MegatronBridgeHandle:
             provider.transformer_layer_spec = self._local_spec
             provider.attention_backend = AttnBackend.local
             overrides.update({name: False for name in _LOCAL_FUSIONS_OFF if hasattr(provider, name)})
+        self.rope = rope_settings(self.hf_config)  # refuses every rope type but default and llama3
+        provider.rotary_base = self.rope.theta
+        if self.rope.llama3:  # mbridge_compat override 4: the flag and factor here, the frequencies below
+            provider.rope_scaling, provider.rope_scaling_factor = True, float(self.rope.llama3["factor"])
         provider.perform_initialization = False  # every parameter is loaded (unused_hf_tensors checks it)
         provider.apply_overrides_and_finalize(dtype=dtype, overrides={**overrides, **(config_overrides or {})})
         self.provider = provider
@@ -102,7 +104,15 @@ class MegatronBridgeHandle:
         kwargs = dict(ddp_config=ddp, wrap_with_ddp=wrap_with_ddp, fp16=fp16, bf16=bf16,
                       use_cpu_initialization=on_cpu, data_parallel_random_init=False)
         accepted = inspect.signature(self.provider.provide_distributed_model).parameters
-        return self.provider.provide_distributed_model(**{k: v for k, v in kwargs.items() if k in accepted})
+        models = self.provider.provide_distributed_model(**{k: v for k, v in kwargs.items() if k in accepted})
+        if self.rope.llama3:  # Megatron hard-codes Llama 3.1's limits: the checkpoint's own, checked against HF's
+            from megatron.core.utils import unwrap_model
+
+            from harness.bridge.mbridge_compat import llama3_inv_freq
+
+            for chunk in unwrap_model(list(models)):
+                chunk.rotary_pos_emb.inv_freq = llama3_inv_freq(chunk.rotary_pos_emb, self.rope, self.hf_config)
+        return models
 
     def load_weights(self, chunks: list[torch.nn.Module], path: str) -> None:
         self.auto.load_hf_weights(chunks)
