@@ -127,12 +127,13 @@ def _drop_rope_scaling(models) -> None:
     from harness.bridge import hf_config
     from harness.bridge.preflight import rope_settings
 
-    if rope_settings(hf_config(models)).llama3 is None:  # a no-op variant would "pass" its negative control
+    config = hf_config(models)
+    if rope_settings(config).llama3 is None:  # a no-op variant would "pass" its negative control
         raise VariantError("variant 'dropped-rope-scaling' needs a model with Llama-3 RoPE scaling")
     for chunk, _ in _params(models):
         rope = chunk.rotary_pos_emb
         plain = RotaryEmbedding(kv_channels=rope.inv_freq.numel() * 2, rotary_percent=1.0,
-                                rotary_base=rope_settings(hf_config).theta, use_cpu_initialization=True)
+                                rotary_base=rope_settings(config).theta, use_cpu_initialization=True)
         rope.inv_freq = plain.inv_freq.to(rope.inv_freq.device)
     RotaryEmbedding.forward.cache_clear()  # freqs are memoized per (module, length)
 
