@@ -86,6 +86,26 @@ def _seed(seed: int) -> None:
     torch.default_generator.manual_seed(int(seed))
 
 
+class _CpuStream:
+    """A stand-in for torch.cuda.Stream/Event on CPU, where everything runs in order: megatron-core
+    0.19 creates streams where 0.16 did not (DDP wrapping in megatron.training's dist_utils, the
+    alltoall token dispatcher's constructor), and torch's CUDA wheels fail there without a driver."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __enter__(self) -> "_CpuStream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _ignore  # wait_stream, wait_event, record_event, record, synchronize, query...
+
+
 def is_installed() -> bool:
     return _mode is not None
 
@@ -108,6 +128,10 @@ def install() -> None:
     # 2.13), where Megatron's sequence-parallel gathers allocate on current_device().
     _patch(torch.cuda, "current_device", lambda: _CPU)
     _patch(torch.cuda, "synchronize", _ignore)  # pipeline p2p calls it unconditionally
+    for name in ("Stream", "Event"):
+        _patch(torch.cuda, name, _CpuStream)
+    _patch(torch.cuda, "current_stream", lambda *a, **k: _CpuStream())
+    _patch(torch.cuda, "stream", lambda *a, **k: _CpuStream())
     # On a GPU host a CPU rank behaves as on the CPU machines CI runs on: no CUDA. torch caches its
     # device count, so a rank forked from a process that had counted still "sees" the GPU that
     # CUDA_VISIBLE_DEVICES hides; its Adam then asks CUDA whether it is capturing a graph, for CPU
