@@ -53,7 +53,7 @@ class RankSaver:
         and, for sync, writer_cpu_s (CPU time of the forked per-bucket writers)."""
         from megatron.core import dist_checkpointing
 
-        from harness.compat.megatron_core import fork_results_queue, instrument_writes
+        from harness.compat.megatron_core import fork_results_queue, instrument_writes, mcore_async_strategy
 
         if self._pending and not allow_overlap:
             raise RuntimeError(f"a save into {self._pending[0]['directory']} is still in flight on this rank; "
@@ -63,7 +63,8 @@ class RankSaver:
         instrument_writes(iteration)  # the fault point inside the forked writers
         started = time.perf_counter()
         request = dist_checkpointing.save(state, directory, sharded_strategy=strategy,
-                                          content_metadata=content_metadata, async_sharded_save=True)
+                                          content_metadata=content_metadata, async_sharded_save=True,
+                                          **mcore_async_strategy())
         request = request._replace(finalize_fns=[functools.partial(fault, "writes-done", iteration),
                                                  *request.finalize_fns])
         planned = time.perf_counter()

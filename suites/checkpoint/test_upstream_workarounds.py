@@ -1,0 +1,69 @@
+"""Is each megatron-core workaround (harness.compat.megatron_core) still needed on the installed
+megatron-core? Each test takes megatron-core's own path for one workaround (`compat.trial`: the
+others applied, on a throwaway policy) and sees whether its bug shows:
+
+- never-stepped-adam: a never-stepped policy loads a checkpoint;
+- fully-reshardable-step-keyerror: a policy loads a fully_reshardable optimizer state;
+- shared-adam-step: after a load, do parameters share one Adam `step` tensor?
+- dp-reshardable-grad-copy: a policy loads a dp_reshardable optimizer state.
+
+The bug must show on every version the workaround is verified (applied) on and must not on every
+version it is marked not needed on; a version in neither list fails with what was seen, to be
+recorded there (torch Adam only: with TE installed megatron-core uses TE's FusedAdam, which none of
+these concern)."""
+from __future__ import annotations
+
+import pytest
+
+from harness.checkpoint.resume_check import CONFIG, MODEL, train_batch
+from harness.compat import megatron_core as compat
+
+BY_NAME = {w.name: w for w in compat.WORKAROUNDS}
+FORMAT = {"dp-reshardable-grad-copy": "dp_reshardable"}
+
+
+def _save(worker, directory: str, optimizer_format: str) -> None:
+    with compat.trial():  # every workaround applied, on any version: the source is not under test
+        worker.save_checkpoint(directory, optimizer_format=optimizer_format)
+
+
+def _bug_shows(worker, name: str, directory: str, optimizer_format: str) -> str | None:
+    """Rank-side: what megatron-core's own path does here (None: nothing wrong)."""
+    if not compat.uses_torch_adam(worker.optimizer):
+        return "n/a: not torch Adam"
+    with compat.trial(BY_NAME[name]):
+        try:
+            worker.load_checkpoint(directory, optimizer_format=optimizer_format)
+        except Exception as exc:  # noqa: BLE001 - the bug, as megatron-core raises it
+            return f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+    if name == "shared-adam-step":
+        steps = [s["step"] for o in compat._torch_adams(worker.optimizer) for s in o.state.values() if "step" in s]
+        if len({id(t) for t in steps}) < len(steps):
+            return f"{len(steps)} parameters share {len({id(t) for t in steps})} step tensor(s)"
+    return None
+
+
+@pytest.mark.parametrize("name", sorted(BY_NAME))
+def test_a_workaround_is_applied_exactly_where_its_bug_shows(policy, device, tmp_path, report, name):
+    fmt = FORMAT.get(name, "fully_reshardable")
+    source = policy("dp2", MODEL, **CONFIG)
+    source.step(train_batch(0))
+    source.apply(_save, str(tmp_path), fmt)
+    source.close()
+    target = policy("dp2", MODEL, **CONFIG)
+    if name != "never-stepped-adam":
+        target.step(train_batch(0))  # a stepped optimizer: only this bug's path differs
+    seen = target.apply(_bug_shows, name, str(tmp_path), fmt)
+    if any(s and s.startswith("n/a") for s in seen):
+        pytest.skip(f"{name}: {seen[0]}")
+    version, workaround = compat.mcore_version(), BY_NAME[name]
+    shows = all(seen)
+    report.add("upstream_bug_shows", int(shows), tolerance=int(version in workaround.verified_on),
+               passed=True, claim="exact", layout="dp2", workaround=name, megatron_core=version, seen=seen[0])
+    if version in workaround.verified_on:
+        assert shows, f"{name}: applied on megatron-core {version}, but its bug does not show there: {seen}"
+    elif version in workaround.not_needed_on:
+        assert not any(seen), f"{name}: marked not needed on megatron-core {version}, but: {seen}"
+    else:
+        pytest.fail(f"{name} on megatron-core {version} is unmeasured: megatron-core's own path gives {seen}; "
+                    "add the version to verified_on (bug shows) or not_needed_on (it does not)")
