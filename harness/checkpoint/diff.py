@@ -126,15 +126,23 @@ def load_full_tensors(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_common(path: str | Path) -> dict[str, Any]:
-    """The checkpoint's common state (common.pt), loaded the way Megatron loads it (weights_only)."""
+    """The checkpoint's common state, loaded the way Megatron loads it (weights_only): `common.pt`
+    (megatron-core 0.16's format), or the `common_state` object inside the torch_dist files, where
+    megatron-core 0.19 writes it (no common.pt; megatron-core's own reader takes both)."""
     return _load_common(_check_directory(path))
 
 
 def _load_common(path: Path) -> dict[str, Any]:
+    legacy = path / "common.pt"
     try:
-        return torch.load(path / "common.pt", map_location="cpu", weights_only=True)
+        if legacy.is_file():
+            return torch.load(legacy, map_location="cpu", weights_only=True)
+        from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+
+        return load_common_state_dict(str(path))
     except Exception as exc:
-        raise CheckpointError(f"{path}/common.pt: unreadable ({type(exc).__name__}: {exc})") from exc
+        where = legacy if legacy.is_file() else f"{path} (its common state)"
+        raise CheckpointError(f"{where}: unreadable ({type(exc).__name__}: {exc})") from exc
 
 
 # ----------------------------------------------------------------------------------------- comparing

@@ -207,7 +207,7 @@ def load_optimizer_state_dict(optimizer, state_dict: dict, *, unshare_steps: boo
 # silently never fire.
 WRITE_FAULT_HOOK = Workaround(
     "write-fault-hook", "(instrumentation) forked checkpoint writers write each item through "
-    "filesystem_async._write_item", ("0.16.1",))
+    "filesystem_async._write_item", ("0.16.1", "0.19.2"))
 _write_iteration: list = [None]  # the save the next forked writers belong to
 
 
@@ -244,11 +244,12 @@ def instrument_writes(iteration: int | None) -> None:
 # A performance workaround: megatron-core 0.16.1 creates its write-results queue on a *spawned*
 # Manager server (filesystem_async._get_write_results_queue), which imports torch when the first
 # WriteResult reaches it: the first save of every rank process blocks ~3 s on 2 CPU cores (measured
-# with cProfile in `Queue.put`). Megatron-Core 0.19 warms the same queue with a forked Manager
-# (`get_write_results_queue(mp_mode="fork")`); so do we, before the first save of a rank.
+# with cProfile in `Queue.put`). 0.19.2 still creates it spawned (`FileSystemWriterAsync` calls
+# `get_write_results_queue()`, default mp_mode "spawn"); we create it on a forked Manager before the
+# first save of a rank.
 FORK_RESULTS_QUEUE = Workaround(
     "fork-results-queue", "the write-results queue's spawned Manager imports torch on the first "
-    "save (~3 s)", ("0.16.1",))
+    "save (~3 s)", ("0.16.1", "0.19.2"))
 
 
 def fork_results_queue() -> None:

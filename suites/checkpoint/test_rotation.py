@@ -109,7 +109,8 @@ def test_a_writer_error_surfaces_once_and_changes_nothing(policy, device, tmp_pa
     handle.step(train_batch(1))
     plan = FaultPlan("shard-writes", iteration=2, action="raise", rank=handle.world.size - 1)  # the last rank only
     with injected(handle.world, plan):
-        with pytest.raises(CheckpointError, match="save of iteration 2 failed.*injected fault"):
+        # megatron-core 0.19 reports a failed writer by its exception's class only
+        with pytest.raises(CheckpointError, match="save of iteration 2 failed.*(injected fault|InjectedFault)"):
             ckpt.save()
             ckpt.wait()  # async: the error surfaces at finalize
     assert ckpt.root.tracker() == 1 and ckpt.root.complete() == [1] == ckpt.root.iterations()
