@@ -275,3 +275,40 @@ def mcore_async_strategy() -> dict[str, str]:
     from megatron.core import dist_checkpointing
 
     return {"async_strategy": "mcore"} if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters else {}
+
+
+# `import megatron.core` (0.19.2) replaces torch.storage._load_from_bytes with its own
+# megatron.core.safe_globals.safe_load_from_bytes, process-wide. Every tensor pickled afterwards names
+# megatron.core, so a process without megatron-core cannot unpickle it: the vLLM engine, in a venv of
+# its own, failed every weight update with "No module named 'megatron'" (2026-11-24). 0.16.1 does
+# not patch torch.
+TORCH_PICKLE_OWNER = Workaround(
+    "torch-pickle-owner", "import megatron.core replaces torch.storage._load_from_bytes: pickled tensors "
+    "name megatron.core", ("0.19.2",), not_needed_on=("0.16.1",))
+
+
+def _stock_load_from_bytes(b: bytes):
+    import io
+
+    return torch.load(io.BytesIO(b), weights_only=False)
+
+
+_stock_load_from_bytes.__module__, _stock_load_from_bytes.__qualname__ = "torch.storage", "_load_from_bytes"
+
+
+@contextmanager
+def torch_pickling() -> Iterator[None]:
+    """Pickle tensors as torch does (naming torch.storage, not megatron.core) for the duration:
+    `TORCH_PICKLE_OWNER`, for payloads read by a process without megatron-core."""
+    import torch.storage as storage
+
+    current = storage._load_from_bytes
+    if getattr(current, "__module__", "").split(".")[0] != "megatron":
+        yield
+        return
+    require(TORCH_PICKLE_OWNER)
+    storage._load_from_bytes = _stock_load_from_bytes
+    try:
+        yield
+    finally:
+        storage._load_from_bytes = current

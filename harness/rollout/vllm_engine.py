@@ -125,7 +125,11 @@ class VLLMEngine:
         if self.process.poll() is not None:
             raise VLLMUnavailable(f"the vLLM engine process exited ({self.process.returncode}); log {self.log}:\n"
                                   + self._log_tail())
-        self._conn.send_bytes(pickle.dumps((command, kwargs)))
+        from harness.compat.megatron_core import torch_pickling
+
+        with torch_pickling():  # the engine's process has no megatron-core to unpickle with
+            payload = pickle.dumps((command, kwargs))
+        self._conn.send_bytes(payload)
         deadline = time.monotonic() + (timeout or self.call_timeout)
         while not self._conn.poll(1.0):
             if self.process.poll() is not None:

@@ -76,3 +76,33 @@ def test_a_load_on_an_unverified_version_fails_before_the_policy_changes(policy,
     assert target.position()["steps_done"] == 0 and all(torch.equal(before[n], after[n]) for n in before)
     target.load(tmp_path / "ckpt")  # and on the verified version the same load goes through
     assert target.position()["steps_done"] == 1
+
+
+def test_tensors_pickle_as_torch_does_for_a_process_without_megatron(monkeypatch):
+    """`TORCH_PICKLE_OWNER`: with megatron-core 0.19's replacement of torch.storage._load_from_bytes
+    (simulated here on any version), a pickled tensor names megatron.core; under `torch_pickling`
+    it names torch.storage and loads back equal."""
+    import pickle
+
+    import torch.storage as storage
+
+    def safe_load_from_bytes(b):  # what megatron-core 0.19 installs
+        raise AssertionError("not reached: the payload must not name this")
+
+    safe_load_from_bytes.__module__ = "megatron.core.safe_globals"
+    safe_load_from_bytes.__qualname__ = "safe_load_from_bytes"
+    monkeypatch.setattr(storage, "_load_from_bytes", safe_load_from_bytes)
+    import sys
+    import types
+
+    module = types.ModuleType("megatron.core.safe_globals")
+    module.safe_load_from_bytes = safe_load_from_bytes
+    monkeypatch.setitem(sys.modules, "megatron.core.safe_globals", module)
+    tensor = torch.arange(6.0).reshape(2, 3)
+    assert b"megatron.core.safe_globals" in pickle.dumps(tensor)
+    monkeypatch.setattr(compat, "mcore_version", lambda: compat.TORCH_PICKLE_OWNER.verified_on[0])
+    with compat.torch_pickling():
+        payload = pickle.dumps(tensor)
+    assert b"megatron" not in payload and storage._load_from_bytes is safe_load_from_bytes
+    monkeypatch.undo()  # torch's own loader back, as in the engine's process
+    assert torch.equal(pickle.loads(payload), tensor)
