@@ -36,6 +36,7 @@ def build_model(spec: ProbeSpec, device: torch.device) -> torch.nn.Module:
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     config = TransformerConfig(
@@ -45,6 +46,9 @@ def build_model(spec: ProbeSpec, device: torch.device) -> torch.nn.Module:
         use_cpu_initialization=True, tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
         sequence_parallel=False, pipeline_dtype=torch.float32,
+        # The local spec's attention, said as such: megatron-core 0.19 checks "auto" against the NVTE_*
+        # variables an earlier local-backend model of the same rank has set, and refuses
+        attention_backend=AttnBackend.local,
     )
     model = GPTModel(
         config, get_gpt_layer_local_spec(), vocab_size=spec.vocab_size,
