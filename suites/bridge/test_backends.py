@@ -31,6 +31,9 @@ def test_a_bridge_that_cannot_run_here_is_one_clear_error(monkeypatch, versions,
 
 
 def test_this_environment_has_exactly_one_usable_bridge():
-    """The CPU tier's environment: mbridge on megatron-core 0.16 (make setup)."""
-    assert backends.usable() == ["mbridge"]
-    assert backends.current() == "mbridge"
+    """Each environment `make setup` builds has one bridge: mbridge on megatron-core 0.16, Megatron-Bridge
+    on 0.19."""
+    line = ".".join(backends.installed()["megatron-core"].split(".")[:2])
+    expected = {"0.16": "mbridge", "0.19": "megatron-bridge"}[line]
+    assert backends.usable() == [expected]
+    assert backends.current() == expected

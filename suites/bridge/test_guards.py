@@ -169,6 +169,8 @@ def _output_layer_sources(layout, paths: list[tuple[str, str]]) -> dict[str, dic
 
 @pytest.mark.world_size(2)
 def test_tied_mapping_is_per_instance(world, device):
+    if world.bridge != "mbridge":
+        pytest.skip("mbridge's class tables (Megatron-Bridge maps ties per instance: no table to share)")
     """Stock Qwen2Bridge ties by writing into its class table, so an untied model built after a tied
     one would load its lm_head from embed_tokens. Tied, untied, tied again in one process, at pp2
     (the last stage keeps its own copy of a tied embedding): each gets its own output layer."""
