@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -199,18 +200,19 @@ def load_optimizer_state_dict(optimizer, state_dict: dict, *, unshare_steps: boo
 
 
 # ---------------------------------------------------------------------------------------------
-# Instrumentation, not a workaround: the fault point inside megatron-core's forked checkpoint
-# writers (harness.checkpoint.faults, point "shard-writes"). `FileSystemWriterAsync
-# .write_preloaded_data` (0.16.1) writes each item through the module-level `_write_item`; the
-# wrapper fires the point after the first item a writer process writes. Gated like the
+# Instrumentation, not a workaround: the fault point inside megatron-core's checkpoint writers
+# (harness.checkpoint.faults, point "shard-writes"). `FileSystemWriterAsync.write_preloaded_data`
+# writes each item through the module-level `_write_item`; the wrapper fires the point after the
+# first item of each save a writer process writes. 0.16.1 writes in processes forked per save (a
+# new pid each time); 0.19.2 writes in threads, and a *sync* save writes in the rank process
+# itself, so one pid writes every save: the first-item mark is kept per (pid, save), or the
+# point would fire only in a rank's first save (measured: the keep1-deletes-first variant's sync
+# save of iteration 3 never reached it while the mark was per pid, 2026-11-24). Gated like the
 # workarounds: on another version the writer may not call `_write_item` and the point would
 # silently never fire.
 WRITE_FAULT_HOOK = Workaround(
-    "write-fault-hook", "(instrumentation) forked checkpoint writers write each item through "
-    "filesystem_async._write_item", ("0.16.1",))
-# Not 0.19.2 yet: there the point is reached in async saves (suites/checkpoint passes) but a sync keep=1 save
-# ended without reaching it (the keep1-deletes-first variant, FaultNotReached, 2026-11-24): find 0.19's sync
-# write path first.
+    "write-fault-hook", "(instrumentation) checkpoint writers write each item through "
+    "filesystem_async._write_item", ("0.16.1", "0.19.2"))
 _write_iteration: list = [None]  # the save the next forked writers belong to
 
 
@@ -228,13 +230,17 @@ def instrument_writes(iteration: int | None) -> None:
     if getattr(filesystem_async._write_item, "mrh_instrumented", False):
         return
     original = filesystem_async._write_item
-    fired: dict[int, bool] = {}
+    fired: set[tuple[int, int | None]] = set()  # (pid, iteration): see WRITE_FAULT_HOOK
+    lock = threading.Lock()  # 0.19.2 writes a save's buckets from several threads
 
     @functools.wraps(original)  # megatron-core inspects its signature (serialization_format)
     def write_item(*args, **kwargs):
         result = original(*args, **kwargs)
-        if not fired.get(os.getpid()):
-            fired[os.getpid()] = True
+        key = (os.getpid(), _write_iteration[0])
+        with lock:
+            first = key not in fired
+            fired.add(key)
+        if first:
             from harness.checkpoint.faults import fault
 
             fault("shard-writes", _write_iteration[0])

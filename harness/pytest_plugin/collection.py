@@ -71,6 +71,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="layer specs the CUDA variants run on: te (Transformer Engine), local (Megatron's "
                          "own modules), both; auto (default): both where transformer_engine is installed, "
                          "else local. The CPU tier is local: TE has no CPU kernels (harness.bridge.specs)")
+    group.addoption("--mrh-bridge", default=None, choices=["auto", "mbridge", "megatron-bridge"],
+                    help="the bridge (and so the megatron-core line) every world loads models with: mbridge "
+                         "(megatron-core 0.16), megatron-bridge (megatron-core 0.19), auto: the one usable in "
+                         "this environment (default: $MRH_BRIDGE, else auto; harness.bridge.backends)")
+    group.addoption("--mrh-other-stack", default=None, metavar="PYTHON",
+                    help="the Python of the other stack's environment (e.g. .venv-b/bin/python): the "
+                         "cross-stack checks write with one stack and read with the other; without it they skip")
     group.addoption("--mrh-nightly", action="store_true",
                     help="also run the tests marked nightly (long sweeps; -m nightly runs them alone)")
     group.addoption("--mrh-report-dir", default=os.environ.get("MRH_REPORT_DIR", "reports/runs"),
@@ -104,6 +111,7 @@ def pytest_configure(config: pytest.Config) -> None:
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
     selected_devices(config)  # a bad --mrh-devices is a usage error before collection
+    selected_bridge(config)  # and a bridge this environment cannot run
     if "cuda" in selected_devices(config):
         selected_specs(config, "cuda")  # and --mrh-spec te without TE installed
     markexpr = config.getoption("markexpr") or ""
@@ -117,6 +125,20 @@ def selected_devices(config: pytest.Config) -> list[str]:
     if unknown:
         raise pytest.UsageError(f"--mrh-devices: unknown device(s) {unknown}; choose from {DEVICES}")
     return devices
+
+
+def selected_bridge(config: pytest.Config) -> str:
+    """The session's bridge (`--mrh-bridge`, else $MRH_BRIDGE, else auto), put in the environment
+    every world hands its ranks (harness.launch.base reads it there)."""
+    from harness.bridge import backends
+
+    choice = config.getoption("--mrh-bridge") or os.environ.get(backends.ENV) or "auto"
+    try:
+        bridge = backends.for_world(choice)
+    except backends.BridgeChoiceError as exc:
+        raise pytest.UsageError(f"--mrh-bridge: {exc}") from None
+    os.environ[backends.ENV] = bridge
+    return bridge
 
 
 def selected_specs(config: pytest.Config, device: str) -> list[str]:

@@ -119,13 +119,38 @@ class MegatronBridgeHandle:
 
     def export_weights(self, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
         """HF names and full tensors, the vocab padding sliced off; a tied model's `lm_head.weight`
-        (yielded only when the checkpoint stores the duplicate) dropped, as mbridge's export has it."""
+        (yielded only when the checkpoint stores the duplicate) dropped, as mbridge's export has it.
+        A tied model under PP then yields its last stage's embedding copy too, as mbridge's export
+        does: Megatron-Bridge reads only the first stage's, so a diverged copy (the
+        unsynced-tied-embedding variant) would otherwise go unnoticed by the callers' check."""
         for name, tensor in self.auto.export_hf_weights(chunks, cpu=False, show_progress=False):
             if name == "lm_head.weight" and self.harness_tied:
                 continue
             if name in _PADDED:
                 tensor = tensor[: self.vocab_size]
             yield name, tensor
+        if self.harness_tied and torch.distributed.get_world_size(_pp_group()) > 1:
+            yield "model.embed_tokens.weight", self._last_stage_embedding(chunks)
+
+    def _last_stage_embedding(self, chunks: list[torch.nn.Module]) -> torch.Tensor:
+        """The last pipeline stage's copy of a tied embedding (its output layer), gathered over TP
+        and broadcast over PP: collective over the model-parallel group."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.utils import unwrap_model
+
+        dist = torch.distributed
+        tp_group, pp_group = ps.get_tensor_model_parallel_group(), _pp_group()
+        last = dist.get_global_rank(pp_group, dist.get_world_size(pp_group) - 1)
+        shard = next((c.output_layer.weight for c in unwrap_model(list(chunks))
+                      if getattr(c, "post_process", False)), None)
+        if shard is not None:
+            parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(tp_group))]
+            dist.all_gather(parts, shard.detach().contiguous(), group=tp_group)
+            full = torch.cat(parts)[: self.vocab_size].contiguous()
+        else:
+            full = torch.empty((self.vocab_size, self.hf_config.hidden_size), dtype=self.dtype, device=_device())
+        dist.broadcast(full, src=last, group=pp_group)
+        return full
 
     def unused_hf_tensors(self, chunks: list[torch.nn.Module], on_disk: set[str]) -> list[str]:
         """Checkpoint tensors no conversion task reads (Megatron-Bridge only warns about them and
@@ -139,3 +164,15 @@ class MegatronBridgeHandle:
         if self.harness_tied:
             used.add("lm_head.weight")
         return sorted(n for n in on_disk - used if not n.endswith(NOT_WEIGHTS))
+
+
+def _pp_group():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_group()
+
+
+def _device() -> torch.device:
+    """Where this rank's collectives run: CUDA under NCCL, else CPU."""
+    on_cuda = torch.cuda.is_available() and torch.distributed.get_backend() == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
