@@ -3,6 +3,7 @@ test's outcome, the rows recorded during each test), the `report` and `report_di
 pytest-xdist's workers writing beside the controller."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,15 @@ def _spec(item: pytest.Item) -> dict:
     return {"spec": spec} if spec else {}
 
 
+def _bridge() -> dict:
+    """The row's bridge column: the session's (collection.selected_bridge put it in the environment
+    the worlds hand their ranks), on every row, so rows of two stacks never pair up by accident."""
+    from harness.bridge import backends
+
+    bridge = os.environ.get(backends.ENV, "")
+    return {"bridge": bridge} if bridge else {}
+
+
 def _generated(item: pytest.Item) -> dict:
     """Fields for the rows of a hypothesis test: its examples differ from run to run, so
     `mrh report compare` must never pair one run's rows with another's."""
@@ -91,7 +101,7 @@ class _ReportHooks:
     def pytest_runtest_call(self, item: pytest.Item):
         yield
         fields = _generated(item)
-        rows = [as_row({**_spec(item), **record, **fields}, _suite(item), item.nodeid)
+        rows = [as_row({**_bridge(), **_spec(item), **record, **fields}, _suite(item), item.nodeid)
                 for record in report_buffer.drain()]
         self.run_report.add_rows(rows)
 
@@ -137,7 +147,7 @@ class ReportHandle:
     def add(self, metric: str, value: float, *, tolerance: float | None, passed: bool, claim: str,
             layout: str = "", **fields) -> Row:
         """One row; `claim` says what kind of claim it is (harness.report.claims)."""
-        row = as_row({**self._spec, "metric": metric, "value": value, "tolerance": tolerance, "passed": passed,
+        row = as_row({**_bridge(), **self._spec, "metric": metric, "value": value, "tolerance": tolerance, "passed": passed,
                       "claim": claim, "layout": layout, **fields, **self._generated}, self.suite, self.test)
         self._run_report.add_rows([row])
         return row
@@ -146,6 +156,7 @@ class ReportHandle:
         for row in rows:
             row.suite, row.test = self.suite, self.test
             row.spec = row.spec or self._spec.get("spec", "")
+            row.bridge = row.bridge or _bridge().get("bridge", "")
             row.extra.update(self._generated)
         self._run_report.add_rows(rows)
 

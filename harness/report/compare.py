@@ -46,7 +46,7 @@ from harness.report.rules import Rule, rule_for
 
 TIMING_NOISE = 0.25  # a wall time listed as moved beyond this relative change (shared machines: ~10-20%)
 
-KEY_FIELDS = ("suite", "test", "layout", "model", "dtype", "device", "spec", "metric")
+KEY_FIELDS = ("suite", "test", "layout", "model", "dtype", "device", "spec", "bridge", "metric")
 EXTRA_KEY_FIELDS = ("variant", "packing", "evaluated_in")
 Key = tuple[Any, ...]
 
@@ -148,10 +148,10 @@ def _key_cells(row: dict[str, Any]) -> list[str]:
     extra = row.get("extra") or {}
     variant = "/".join(str(extra[k]) for k in EXTRA_KEY_FIELDS if extra.get(k) is not None)
     return [row.get("test", ""), row.get("metric", ""), row.get("claim", ""), row.get("layout", ""),
-            row.get("model", ""), row.get("dtype", ""), row.get("device", ""), row.get("spec", ""), variant]
+            row.get("model", ""), row.get("dtype", ""), row.get("device", ""), row.get("spec", ""), row.get("bridge", ""), variant]
 
 
-_KEY_COLUMNS = ["test", "metric", "claim", "layout", "model", "dtype", "device", "spec", "variant/packing"]
+_KEY_COLUMNS = ["test", "metric", "claim", "layout", "model", "dtype", "device", "spec", "bridge", "variant/packing"]
 
 
 def _change_table(changes: list[Change]) -> Table:

@@ -24,6 +24,7 @@ still load: the claim is inferred, harness.report.claims.infer_legacy)::
         {"suite", "test", "layout", "metric", "value", "tolerance", "passed",
          "claim",                                 # harness.report.claims: exact | bounded | control | timing | observed
          "model", "dtype", "device", "spec",      # spec: the layer spec (te, local), "" where none
+         "bridge",                                # mbridge | megatron-bridge (older files: from the fingerprint)
          "units", "extra": {...},
          "outcome": "passed"}                     # ... plus the outcome of the row's test
       ]
@@ -52,7 +53,7 @@ from harness.report.rows import READABLE_VERSIONS
 RESULTS = "results.json"
 OUTCOMES = ("passed", "failed", "error", "skipped", "unfinished")
 FAILING_OUTCOMES = ("failed", "error", "unfinished")
-ROW_COLUMNS = ("suite", "test", "layout", "model", "dtype", "device", "spec", "metric", "value", "tolerance",
+ROW_COLUMNS = ("suite", "test", "layout", "model", "dtype", "device", "spec", "bridge", "metric", "value", "tolerance",
                "passed", "claim", "units", "outcome", "extra")
 # Keys of `extra` that identify a row (compare.py keys on them too), shown as table dimensions.
 EXTRA_DIMS = ("variant", "packing")
@@ -97,6 +98,7 @@ def normalise_run(document: Any, source: str = "<dict>") -> dict[str, Any]:
     meta.setdefault("complete", None)  # None: an older file that did not say
     tests = [dict(t) for t in document.get("tests") or []]
     outcome_of = {t.get("nodeid"): t.get("outcome") for t in tests}
+    bridge = run_bridge(meta["fingerprint"])
     rows = []
     for row in document["rows"]:
         row = dict(row)
@@ -104,11 +106,19 @@ def normalise_run(document: Any, source: str = "<dict>") -> dict[str, Any]:
         row.setdefault("outcome", outcome_of.get(row.get("test")))
         for key in ("layout", "model", "dtype", "device", "spec", "units"):
             row[key] = row.get(key) or ""
+        row["bridge"] = row.get("bridge") or bridge
         if not row.get("claim"):
             row["claim"] = infer_legacy(row)
         rows.append(row)
     return {"schema_version": version, "meta": meta, "tests": tests, "rows": rows,
             "source": source}
+
+
+def run_bridge(fingerprint: dict[str, Any]) -> str:
+    """The bridge of a run whose rows do not name it (written before the column existed): the one
+    bridge its fingerprint lists, else "" (such runs all ran mbridge, the only bridge there was)."""
+    found = [name for name in ("mbridge", "megatron-bridge") if fingerprint.get(name)]
+    return found[0] if len(found) == 1 else ""
 
 
 def is_expected_failure(row: dict[str, Any]) -> bool:

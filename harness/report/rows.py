@@ -28,6 +28,7 @@ class Row:
     dtype: str = ""
     device: str = ""
     spec: str = ""  # the layer spec the model ran on (te, local; harness.bridge.specs); "" if none
+    bridge: str = ""  # the run's bridge (mbridge, megatron-bridge; harness.bridge.backends): its megatron-core line
     units: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -117,7 +117,7 @@ def _expected_table(rows: list[dict[str, Any]], cap: int) -> Table:
 def _suite_blocks(part: pd.DataFrame, max_groups: int) -> list[Block]:
     """One compact table per suite: a line per (model, layout, dtype, ...) group, the worst value
     of each metric under its rule's direction. Constant dimensions go into a caption instead."""
-    dims = [d for d in ("model", "layout", "dtype", "device", "spec", "units") + EXTRA_DIMS
+    dims = [d for d in ("model", "layout", "dtype", "device", "spec", "bridge", "units") + EXTRA_DIMS
             if part[d].astype(str).str.len().gt(0).any()]
     constant = {d: part[d].iloc[0] for d in dims if part[d].nunique(dropna=False) == 1}
     dims = [d for d in dims if d not in constant]

@@ -134,3 +134,25 @@ def test_cuda_crash_injection_runs_on_te_in_the_tier_and_on_local_nightly(pytest
     assert ids("--mrh-spec=both") == {"test_crash[cpu]", "test_crash[cuda-te]"}
     assert ids("--mrh-spec=both", "--mrh-nightly") == {"test_crash[cpu]", "test_crash[cuda-te]", "test_crash[cuda-local]"}
     assert ids("--mrh-spec=local") == {"test_crash[cpu]", "test_crash[cuda-local]"}
+
+
+def test_the_bridge_is_named_or_the_one_usable_here(pytester, monkeypatch):
+    """The bridge is a dimension of a run: --mrh-bridge names it, auto takes the one this environment
+    can run (its megatron-core line), and a bridge it cannot run is a usage error before collection,
+    never a silent fallback. The choice reaches the worlds through the environment."""
+    import os
+
+    from harness.bridge import backends
+
+    pytester.makepyfile(test_inner=INNER)
+    args = ["--collect-only", "-q", "-p", "no:cacheprovider", f"--mrh-report-dir={pytester.path / 'reports'}"]
+    here = backends.for_world("auto")
+    other = next(b for b in backends.BACKENDS if b != here)
+    monkeypatch.delenv(backends.ENV, raising=False)
+    assert pytester.runpytest(*args).ret == pytest.ExitCode.OK
+    assert os.environ[backends.ENV] == here
+    monkeypatch.delenv(backends.ENV)
+    refused = pytester.runpytest(*args, f"--mrh-bridge={other}")
+    assert refused.ret == pytest.ExitCode.USAGE_ERROR
+    refused.stderr.fnmatch_lines([f"*--mrh-bridge: bridge {other!r} cannot run here*"])
+    assert backends.ENV not in os.environ

@@ -195,6 +195,25 @@ def test_a_schema_1_run_loads_with_inferred_claims() -> None:
     assert not result.regressed and result.unchanged == len(rows)
 
 
+def test_rows_of_another_bridge_never_pair_up(baseline) -> None:
+    """A row's bridge (the megatron-core line it ran on) is part of its key: the same test on
+    Megatron-Bridge is a new row against an mbridge baseline, not a moved figure. Rows written before
+    the column existed take the bridge their run's fingerprint lists."""
+    old = copy.deepcopy(baseline)
+    old["meta"]["fingerprint"]["mbridge"] = "0.15.1"
+    for r in old["rows"]:
+        r.pop("bridge", None)
+    same = copy.deepcopy(baseline)
+    for r in same["rows"]:
+        r["bridge"] = "mbridge"
+    assert compare_runs(old, same).unchanged == len(same["rows"])
+    other = copy.deepcopy(same)
+    for r in other["rows"]:
+        r["bridge"] = "megatron-bridge"
+    result = compare_runs(old, other)
+    assert result.unchanged == 0 and len(result.new) == len(result.missing) == len(other["rows"])
+
+
 def test_the_committed_baseline_loads_and_compares_with_itself() -> None:
     committed = REPO / "reports" / "baselines" / "cpu"
     result = compare_runs(committed, committed)
