@@ -1,128 +1,257 @@
-"""Cross-stack checks: one stack's policy checkpoints and HF exports, as the other stack sees them.
+"""Cross-stack checks: a policy checkpoint and an HF export as the other stack sees them.
 
-(draft)
+The harness runs on two stacks: megatron-core 0.16 with mbridge (Python 3.11) and megatron-core
+0.19 with NVIDIA's Megatron-Bridge (Python 3.12), each in its own environment. Nothing anchors one
+to the other but these checks: a checkpoint written by one stack is resumed by the other, and both
+bridges export the same Megatron state. suites/checkpoint/test_cross_stack.py runs one stack in its
+own process and the other through this module's command line:
+
+    python -m harness.checkpoint.cross_stack versions
+    python -m harness.checkpoint.cross_stack save OUT [--layout tp2] [--dtype fp32]
+    python -m harness.checkpoint.cross_stack resume OUT NAME=CHECKPOINT@LAYOUT [...]
+
+`save`: the resume check's policy (harness.checkpoint.resume_check: K_STEPS steps of its batches)
+saved once per optimizer format (OUT/<format>/), its HF export then (OUT/saved.safetensors), one
+more step without stopping and the HF export after it (OUT/after.safetensors). `resume`: per job, a
+fresh policy at LAYOUT loads CHECKPOINT, saves it again without stepping (OUT/NAME/resaved/),
+exports it (OUT/NAME/loaded.safetensors), takes the next step and exports again
+(OUT/NAME/after.safetensors); a load the harness refuses leaves nothing under OUT/NAME and the
+job's policy as it was. Each command starts its own world of 2 CPU ranks and prints one JSON line
+on stdout. Exit 0 done; 2 refused (a load, or the command: one line on stderr, nothing written); 1
+anything else (its traceback). `run_on` runs a command on another stack's Python.
+
+Measured (2 CPU ranks, tiny-qwen3-kv4 fp32, megatron-core 0.16.1 + mbridge 0.15.1 + torch 2.13 and
+megatron-core 0.19.2 + Megatron-Bridge 0.6.2 + torch 2.15, 2026-11-25):
+- 0.16 -> 0.19 resumes exactly. A fully_reshardable checkpoint saved at tp2 and loaded at dp2 (or
+  tp2) on 0.19 saves again equal to it, every tensor bit for bit (`mrh ckpt diff`); the next step
+  at tp2 is the uninterrupted one bit for bit (loss, grad norm, every weight); a dp_reshardable one
+  (same TP/PP only) resumes on 0.19 exactly as on 0.16. bf16 too (once by hand: the re-save diffs
+  equal, the two exports are torch.equal), not in the suite: its CPU steps triple the time.
+- 0.19 -> 0.16 is refused. 0.19 writes the common state into the torch_dist files and no common.pt
+  (NVIDIA/Megatron-LM#5160); 0.16.1 reads it only from common.pt, and without the refusal every
+  rank failed inside dist_checkpointing.load (FileNotFoundError: .../common.pt, after building its
+  load template from the live state). harness.checkpoint.manager.check_format_readable now refuses
+  it in the parent, before any rank works:
+    <dir>: written by megatron-core 0.19.2, which keeps the checkpoint's common state (scheduler,
+    data position, optimizer param groups) inside its torch_dist files and writes no common.pt;
+    megatron-core 0.16.1 here reads the common state only from common.pt, so every rank would fail
+    half-way into the load. Resume it with megatron-core 0.19.x (nothing was loaded)
+- Trained from the same HF weights, the two stacks take the same steps bit for bit, and
+  mbridge and Megatron-Bridge export every HF tensor of one state with the same name and value.
+- Found on the way (either stack, not cross-stack): a dp_reshardable checkpoint does not carry torch
+  Adam's per-parameter step (loaded: 0, saved: 2), so the weights after a resumed step differ from
+  the uninterrupted ones (max |diff| 5.7e-4) while its loss and grad norm, taken before the update,
+  are equal.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+SAVED, AFTER, LOADED, RESAVED = "saved.safetensors", "after.safetensors", "loaded.safetensors", "resaved"
+WORLD_SIZE = 2  # every layout the checks use (tp2, dp2) on one world
 
-def _versions() -> dict[str, Any]:
+
+def versions() -> dict[str, str]:
+    """This stack: megatron-core, its bridge, torch, Python (package metadata: nothing imported)."""
     from importlib.metadata import version
-
-    import torch
 
     from harness.bridge import backends
 
-    return {"megatron_core": version("megatron-core"), "torch": torch.__version__, "bridge": backends.current(),
+    return {"megatron_core": version("megatron-core"), "bridge": backends.current(), "torch": version("torch"),
             "python": sys.version.split()[0]}
 
 
-def _world(layout):
-    from harness.launch.rank import hide_gpus
-    from harness.launch.world import World
-
-    hide_gpus()
-    return World(layout.world_size, "cpu", echo_output=False, start_method="fork").start()
+def line(version: str) -> str:
+    """"0.19.2" -> "0.19": what decides a checkpoint's format."""
+    return ".".join(version.split(".")[:2])
 
 
-def _save_export(state, path: str | None) -> None:
-    if path:
-        from safetensors.torch import save_file
+def _write_hf(state: dict, path: Path) -> None:
+    from safetensors.torch import save_file
 
-        save_file({k: v.contiguous() for k, v in state.items()}, path)
-
-
-def _stats(step: dict[str, Any]) -> dict[str, Any]:
-    return {k: step[k] for k in ("loss", "grad_norm", "lr")}
+    save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(path))
 
 
-def cmd_save(args) -> dict[str, Any]:
+def read_hf(path: str | os.PathLike) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def _stats(step: dict[str, Any]) -> dict[str, float]:
+    return {key: step[key] for key in ("loss", "grad_norm", "lr")}
+
+
+# ------------------------------------------------------------------------ the commands (any world)
+def save(world, out: str | os.PathLike, *, layout: str = "tp2", dtype: str = "fp32") -> dict[str, Any]:
+    """Train, save in every optimizer format, export, step on, export (module docstring)."""
     from harness.checkpoint.resume_check import CONFIG, K_STEPS, MODEL, train_batch
-    from harness.parallel.state import as_layout
+    from harness.checkpoint.sharded import OPTIMIZER_FORMATS
     from harness.training.handles import PolicyHandle
 
-    layout = as_layout(args.layout)
-    config = {**CONFIG, "dtype": args.dtype}
-    out: dict[str, Any] = {}
-    with _world(layout) as world:
-        policy = PolicyHandle(world, layout, MODEL, **config)
-        out["steps"] = [_stats(s) for s in policy.steps([train_batch(i) for i in range(K_STEPS)])]
-        manifest = policy.save(args.dir, optimizer_format=args.optimizer_format)
-        out["megatron_core_saved"] = manifest.megatron_core
-        _save_export(policy.hf_state_dict(), args.export)
-        if args.after:
-            out["next_step"] = _stats(policy.step(train_batch(K_STEPS)))
-            _save_export(policy.hf_state_dict(), args.after)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    policy = PolicyHandle(world, layout, MODEL, **{**CONFIG, "dtype": dtype})
+    try:
+        policy.steps([train_batch(i) for i in range(K_STEPS)])
+        checkpoints = {}
+        for optimizer_format in OPTIMIZER_FORMATS:  # a save changes nothing: both hold one state
+            policy.save(out / optimizer_format, optimizer_format=optimizer_format)
+            checkpoints[optimizer_format] = str(out / optimizer_format)
+        position = policy.position()
+        _write_hf(policy.hf_state_dict(), out / SAVED)
+        next_step = _stats(policy.step(train_batch(K_STEPS)))
+        _write_hf(policy.hf_state_dict(), out / AFTER)
+        return {**versions(), "layout": policy.layout.name, "dtype": dtype, "checkpoints": checkpoints,
+                "position": {k: position[k] for k in ("steps_done", "consumed_samples")}, "next_step": next_step,
+                "saved": str(out / SAVED), "after": str(out / AFTER)}
+    finally:
         policy.close()
-    return out
 
 
-def cmd_resume(args) -> dict[str, Any]:
+def resume(world, out: str | os.PathLike, jobs: dict[str, tuple[str, str]]) -> dict[str, Any]:
+    """Each job NAME -> (checkpoint, layout): load, re-save, export, step on, export (module
+    docstring). A refused load is the job's result, not an exception."""
+    return {**versions(), "jobs": {name: _resume(world, Path(checkpoint), layout, Path(out) / name)
+                                   for name, (checkpoint, layout) in jobs.items()}}
+
+
+def _resume(world, checkpoint: Path, layout: str, out: Path) -> dict[str, Any]:
+    import torch
+
+    from harness.checkpoint.errors import CheckpointError
     from harness.checkpoint.manifest import read_manifest
-    from harness.checkpoint.resume_check import CONFIG, K_STEPS, MODEL, train_batch
-    from harness.parallel.state import as_layout
+    from harness.checkpoint.resume_check import CONFIG, MODEL, train_batch
     from harness.training.handles import PolicyHandle
 
-    layout = as_layout(args.layout)
-    manifest = read_manifest(args.dir)
-    config = {**CONFIG, "dtype": manifest.dtype}
-    out: dict[str, Any] = {}
-    with _world(layout) as world:
-        policy = PolicyHandle(world, layout, MODEL, **config)
-        info = policy.load(args.dir)
-        out["load"] = {k: info[k] for k in ("steps_done", "consumed_samples", "rng_restored")}
-        if args.resave:
-            policy.save(args.resave, optimizer_format=manifest.optimizer_format)
-        _save_export(policy.hf_state_dict(), args.export)
-        if args.after:
-            out["next_step"] = _stats(policy.step(train_batch(K_STEPS)))
-            _save_export(policy.hf_state_dict(), args.after)
+    if out.exists():
+        raise CheckpointError(f"{out} exists; refusing to write into it (nothing was written)")
+    manifest = read_manifest(checkpoint)
+    policy = PolicyHandle(world, layout, MODEL, **{**CONFIG, "dtype": manifest.dtype})
+    try:
+        job = {"checkpoint": str(checkpoint), "layout": policy.layout.name, "written_by": manifest.megatron_core,
+               "optimizer_format": manifest.optimizer_format}
+        before = policy.hf_state_dict()
+        try:
+            loaded = policy.load(checkpoint)
+        except CheckpointError as exc:
+            # What a refusal must leave: the policy as it was (weights, data position), no output.
+            after = policy.hf_state_dict()
+            unchanged = (policy.position()["steps_done"] == 0 and before.keys() == after.keys()
+                         and all(torch.equal(before[n], after[n]) for n in before))
+            return {**job, "refused": " ".join(str(exc).split()), "state_unchanged": unchanged,
+                    "wrote": out.exists()}
+        out.mkdir(parents=True)
+        policy.save(out / RESAVED, optimizer_format=manifest.optimizer_format)
+        _write_hf(policy.hf_state_dict(), out / LOADED)
+        next_step = _stats(policy.step(train_batch(loaded["steps_done"])))
+        _write_hf(policy.hf_state_dict(), out / AFTER)
+        return {**job, "position": {k: loaded[k] for k in ("steps_done", "consumed_samples")},
+                "rng_restored": loaded["rng_restored"], "next_step": next_step, "resaved": str(out / RESAVED),
+                "loaded": str(out / LOADED), "after": str(out / AFTER)}
+    finally:
         policy.close()
-    return out
+
+
+COMMANDS = {"save": save, "resume": resume}
+
+
+# ------------------------------------------------------------------------ another stack's process
+@dataclass
+class Ran:
+    """A command run on another stack: its exit status, its JSON line (None without one), stderr."""
+
+    argv: list[str]
+    returncode: int
+    result: dict[str, Any] | None
+    stderr: str
+
+    def expect(self, returncode: int = 0) -> dict[str, Any]:
+        """The JSON line of a run that exited `returncode`; anything else raises with its stderr."""
+        if self.returncode != returncode or self.result is None:
+            raise RuntimeError(f"{' '.join(self.argv)}: exit {self.returncode} (expected {returncode}), "
+                               f"{'no' if self.result is None else 'a'} JSON line; stderr:\n{self.stderr[-6000:]}")
+        return self.result
+
+
+def harness_root() -> Path:
+    """The directory holding this harness package (what another stack's PYTHONPATH needs)."""
+    return Path(__file__).resolve().parents[2]
+
+
+def run_on(python: str, *args: str, module: str = "harness.checkpoint.cross_stack",
+           timeout: float = 600.0) -> Ran:
+    """`python -m module *args` on another stack, with this harness first on its path. It picks its
+    own bridge (the one usable there): this process's MRH_BRIDGE is not passed on."""
+    env = {k: v for k, v in os.environ.items() if k != "MRH_BRIDGE"}
+    env["PYTHONPATH"] = os.pathsep.join([str(harness_root()), *filter(None, [os.environ.get("PYTHONPATH")])])
+    argv = [python, "-m", module, *map(str, args)]
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout)
+    lines = [text for text in done.stdout.splitlines() if text.startswith("{")]
+    result = json.loads(lines[-1]) if lines else None
+    return Ran(argv, done.returncode, result, done.stderr)
+
+
+# ------------------------------------------------------------------------ command line
+def _job(text: str) -> tuple[str, tuple[str, str]]:
+    name, sep, rest = text.partition("=")
+    checkpoint, at, layout = rest.rpartition("@")
+    if not (sep and at and name and checkpoint and layout) or "/" in name:
+        raise argparse.ArgumentTypeError(f"{text!r}: a job is NAME=CHECKPOINT@LAYOUT")
+    return name, (checkpoint, layout)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m harness.checkpoint.cross_stack")
+    parser = argparse.ArgumentParser(prog="python -m harness.checkpoint.cross_stack",
+                                     description="cross-stack checkpoint and export checks (module docstring)")
     commands = parser.add_subparsers(dest="command", required=True)
-    save = commands.add_parser("save")
-    save.add_argument("dir")
-    save.add_argument("--layout", default="tp2")
-    save.add_argument("--dtype", default="fp32")
-    save.add_argument("--optimizer-format", default="fully_reshardable")
-    save.add_argument("--export")
-    save.add_argument("--after")
-    save.set_defaults(handler=cmd_save)
-    resume = commands.add_parser("resume")
-    resume.add_argument("dir")
-    resume.add_argument("--layout", default="tp2")
-    resume.add_argument("--resave")
-    resume.add_argument("--export")
-    resume.add_argument("--after")
-    resume.set_defaults(handler=cmd_resume)
+    commands.add_parser("versions", help="this stack's megatron-core, bridge, torch and Python")
+    save_ = commands.add_parser("save", help="train, save in every optimizer format, export, step on, export")
+    save_.add_argument("out", help="output directory (its checkpoints must not exist)")
+    save_.add_argument("--layout", default="tp2", help="default tp2")
+    save_.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    resume_ = commands.add_parser("resume", help="per job: load, re-save, export, step on, export")
+    resume_.add_argument("out", help="output directory: one subdirectory per job")
+    resume_.add_argument("jobs", nargs="+", type=_job, metavar="NAME=CHECKPOINT@LAYOUT")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     from harness.backends import cpu_arithmetic
 
-    cpu_arithmetic.pin()
+    cpu_arithmetic.pin()  # before any torch kernel runs here or in a rank (as `mrh` does)
     args = _parser().parse_args(argv)
+    if args.command == "versions":
+        print(json.dumps(versions()))
+        return 0
     from harness.checkpoint.errors import CheckpointError
+    from harness.launch.rank import hide_gpus
+    from harness.launch.world import World
 
     started = time.perf_counter()
+    hide_gpus()  # a CPU world (forked ranks must never start CUDA)
     try:
-        out = args.handler(args)
+        with World(WORLD_SIZE, "cpu", echo_output=False, start_method="fork") as world:
+            if args.command == "save":
+                result = save(world, args.out, layout=args.layout, dtype=args.dtype)
+            else:
+                result = resume(world, args.out, dict(args.jobs))
     except CheckpointError as exc:
         print(f"cross_stack {args.command}: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
-    print(json.dumps({**_versions(), **out, "wall_s": round(time.perf_counter() - started, 2)}))
-    return 0
+    print(json.dumps({**result, "wall_s": round(time.perf_counter() - started, 2)}))
+    refused = [f"{name}: {job['refused']}" for name, job in result.get("jobs", {}).items() if "refused" in job]
+    for message in refused:
+        print(f"cross_stack resume: {message}", file=sys.stderr)
+    return 2 if refused else 0
 
 
 if __name__ == "__main__":

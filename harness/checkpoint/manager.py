@@ -5,8 +5,9 @@
 
 Saving writes into a hidden sibling directory and renames it into place after every rank has
 written and the manifest (files, sizes, sha256) is down, so a crash leaves no directory under the
-target name. Loading validates the manifest, every file, the model and the layout in this process
-first; only then do the ranks replace their state. A refused load changes nothing. The rank side
+target name. Loading validates the manifest, every file, the model, the layout and whether this
+megatron-core reads the checkpoint's format in this process first; only then do the ranks replace
+their state. A refused load changes nothing. The rank side
 is the policy worker's: `PolicyWorker.save_checkpoint` / `load_checkpoint` (harness.training.policy).
 """
 from __future__ import annotations
@@ -91,6 +92,32 @@ def save_checkpoint(policy, directory: str | os.PathLike, *, optimizer_format: s
     return manifest
 
 
+# megatron-core lines that read a checkpoint's common state (scheduler, data position, optimizer
+# param groups) only from `common.pt`. megatron-core 0.19 writes no common.pt: it keeps that state as
+# a `common_state` object inside the torch_dist files (NVIDIA/Megatron-LM#5160) and reads either
+# form. Measured (harness.checkpoint.cross_stack): a 0.16.1 checkpoint resumes on 0.19.2 exactly; a
+# 0.19.2 one on 0.16.1 fails on every rank inside dist_checkpointing.load (FileNotFoundError for
+# common.pt, after the load template was built from the live state).
+COMMON_PT_ONLY = ("0.16",)
+
+
+def _line(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
+def check_format_readable(directory: str | os.PathLike, manifest: Manifest) -> None:
+    """Refuse a checkpoint whose format the megatron-core here cannot read (COMMON_PT_ONLY)."""
+    here = _megatron_version()
+    if "common.pt" in manifest.files or _line(here) not in COMMON_PT_ONLY:
+        return
+    raise CheckpointError(
+        f"{directory}: written by megatron-core {manifest.megatron_core}, which keeps the checkpoint's "
+        "common state (scheduler, data position, optimizer param groups) inside its torch_dist files and "
+        f"writes no common.pt; megatron-core {here} here reads the common state only from common.pt, so "
+        f"every rank would fail half-way into the load. Resume it with megatron-core "
+        f"{_line(manifest.megatron_core)}.x (nothing was loaded)")
+
+
 def _same_model_parallelism(a, b) -> bool:
     return (a.tp, a.pp, a.vpp, a.cp, a.ep) == (b.tp, b.pp, b.vpp, b.cp, b.ep)
 
@@ -107,6 +134,7 @@ def check_loadable(policy, directory: str | os.PathLike, *, load_rng: bool | Non
         raise CheckpointError(str(exc)) from None
     manifest = read_manifest(directory)
     verify_files(directory, manifest, checksums=verify_checksums)
+    check_format_readable(directory, manifest)
     require_shared(policy.world, directory, "loading it")
     want = model_fingerprint(load_hf_config(policy.path))
     if manifest.model_config != want:

@@ -8,10 +8,11 @@ What is set on Megatron-Bridge's model provider, and why (so that both bridges b
   and the zoo's 251-token vocab cannot be split over TP unpadded);
 - the local spec with the harness's RMSNorm in every slot (harness.bridge.norms.local_block_spec) and
   Megatron's local attention when the spec is local; TE's spec as the provider builds it otherwise;
-- the fusions Megatron-Bridge turns on by default off on the local spec (gradient accumulation fusion,
-  bias-activation / bias-dropout fusion, persistent layer norm, RoPE fusion: each needs TE or apex
-  kernels, and LocalRMSNorm refuses persist_layer_norm); masked softmax fusion only where its kernels
-  exist (harness fix 5 of mbridge_compat);
+- the fusions Megatron-Bridge turns on by default off, on both specs, as megatron-core (and so
+  mbridge) defaults them (gradient accumulation fusion, bias-activation / bias-dropout fusion,
+  persistent layer norm, RoPE fusion: on the local spec each needs TE or Apex kernels and LocalRMSNorm
+  refuses persist_layer_norm; on TE gradient accumulation fusion needs Apex); masked softmax fusion
+  only where its kernels exist (harness fix 5 of mbridge_compat);
 - `attention_softmax_in_fp32` True and `deallocate_pipeline_outputs` False: what megatron-core (and
   so mbridge) defaults to, where Megatron-Bridge's provider defaults differ;
 - mbridge's pipeline settings (variable sequence lengths, no batched p2p).
@@ -30,7 +31,7 @@ from harness.bridge.preflight import NOT_WEIGHTS, check_hf_config, rope_settings
 from harness.bridge.specs import resolve as resolve_spec
 from harness.bridge.versions import fused_softmax_kernels_available
 
-_LOCAL_FUSIONS_OFF = ("gradient_accumulation_fusion", "bias_activation_fusion", "bias_dropout_fusion",
+_FUSIONS_OFF = ("gradient_accumulation_fusion", "bias_activation_fusion", "bias_dropout_fusion",
                       "persist_layer_norm", "apply_rope_fusion", "moe_permute_fusion")
 _PADDED = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -74,7 +75,10 @@ class MegatronBridgeHandle:
 
             provider.transformer_layer_spec = self._local_spec
             provider.attention_backend = AttnBackend.local
-            overrides.update({name: False for name in _LOCAL_FUSIONS_OFF if hasattr(provider, name)})
+        # On both specs: megatron-core's defaults (what mbridge builds, what the harness's TE figures were
+        # measured on). On TE, gradient accumulation fusion needs Apex's fused_weight_gradient_mlp_cuda
+        # (every TE parity case failed without it on an H100, 2026-11-25).
+        overrides.update({name: False for name in _FUSIONS_OFF if hasattr(provider, name)})
         self.rope = rope_settings(self.hf_config)  # refuses every rope type but default and llama3
         provider.rotary_base = self.rope.theta
         if self.rope.llama3:  # mbridge_compat override 4: the flag and factor here, the frequencies below
