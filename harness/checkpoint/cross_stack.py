@@ -195,9 +195,20 @@ def run_on(python: str, *args: str, module: str = "harness.checkpoint.cross_stac
     env["PYTHONPATH"] = os.pathsep.join([str(harness_root()), *filter(None, [os.environ.get("PYTHONPATH")])])
     argv = [python, "-m", module, *map(str, args)]
     done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout)
-    lines = [text for text in done.stdout.splitlines() if text.startswith("{")]
-    result = json.loads(lines[-1]) if lines else None
-    return Ran(argv, done.returncode, result, done.stderr)
+    return Ran(argv, done.returncode, _json(done.stdout), done.stderr)
+
+
+def _json(stdout: str) -> dict[str, Any] | None:
+    """The JSON object a command printed: its whole stdout (`mrh ckpt diff --json` indents), else
+    its last line that is one."""
+    for text in [stdout, *reversed(stdout.splitlines())]:
+        try:
+            value = json.loads(text)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            return value
+    return None
 
 
 # ------------------------------------------------------------------------ command line
