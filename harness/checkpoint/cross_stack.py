@@ -13,8 +13,9 @@ own process and the other through this module's command line:
 `save`: the resume check's policy (harness.checkpoint.resume_check: K_STEPS steps of its batches)
 saved once per optimizer format (OUT/<format>/), its HF export then (OUT/saved.safetensors), one
 more step without stopping and the HF export after it (OUT/after.safetensors). `resume`: per job, a
-fresh policy at LAYOUT loads CHECKPOINT, saves it again without stepping (OUT/NAME/resaved/),
-exports it (OUT/NAME/loaded.safetensors), takes the next step and exports again
+fresh policy at LAYOUT loads CHECKPOINT, saves it again without stepping (OUT/NAME/resaved/, diffed
+against CHECKPOINT: `resave_diff`, harness.checkpoint.diff's as_dict), exports it
+(OUT/NAME/loaded.safetensors), takes the next step and exports again
 (OUT/NAME/after.safetensors); a load the harness refuses leaves nothing under OUT/NAME and the
 job's policy as it was. Each command starts its own world of 2 CPU ranks and prints one JSON line
 on stdout. Exit 0 done; 2 refused (a load, or the command: one line on stderr, nothing written); 1
@@ -98,6 +99,7 @@ def save(world, out: str | os.PathLike, *, layout: str = "tp2", dtype: str = "fp
     from harness.training.handles import PolicyHandle
 
     out = Path(out)
+    _refuse_existing(_save_outputs(out))
     out.mkdir(parents=True, exist_ok=True)
     policy = PolicyHandle(world, layout, MODEL, **{**CONFIG, "dtype": dtype})
     try:
@@ -120,20 +122,39 @@ def save(world, out: str | os.PathLike, *, layout: str = "tp2", dtype: str = "fp
 def resume(world, out: str | os.PathLike, jobs: dict[str, tuple[str, str]]) -> dict[str, Any]:
     """Each job NAME -> (checkpoint, layout): load, re-save, export, step on, export (module
     docstring). A refused load is the job's result, not an exception."""
+    _refuse_existing(_resume_outputs(out, jobs))
     return {**versions(), "jobs": {name: _resume(world, Path(checkpoint), layout, Path(out) / name)
                                    for name, (checkpoint, layout) in jobs.items()}}
+
+
+def _save_outputs(out: str | os.PathLike) -> list[Path]:
+    from harness.checkpoint.sharded import OPTIMIZER_FORMATS
+
+    return [Path(out) / name for name in (*OPTIMIZER_FORMATS, SAVED, AFTER)]
+
+
+def _resume_outputs(out: str | os.PathLike, jobs) -> list[Path]:
+    return [Path(out) / name for name in jobs]
+
+
+def _refuse_existing(paths: list[Path]) -> None:
+    """Before anything runs: a command never writes over an earlier run's output."""
+    from harness.checkpoint.errors import CheckpointError
+
+    existing = [str(path) for path in paths if path.exists()]
+    if existing:
+        raise CheckpointError(f"{', '.join(existing)} exist(s); refusing to write over it (nothing was written)")
 
 
 def _resume(world, checkpoint: Path, layout: str, out: Path) -> dict[str, Any]:
     import torch
 
+    from harness.checkpoint.diff import diff_checkpoints
     from harness.checkpoint.errors import CheckpointError
     from harness.checkpoint.manifest import read_manifest
     from harness.checkpoint.resume_check import CONFIG, MODEL, train_batch
     from harness.training.handles import PolicyHandle
 
-    if out.exists():
-        raise CheckpointError(f"{out} exists; refusing to write into it (nothing was written)")
     manifest = read_manifest(checkpoint)
     policy = PolicyHandle(world, layout, MODEL, **{**CONFIG, "dtype": manifest.dtype})
     try:
@@ -151,17 +172,16 @@ def _resume(world, checkpoint: Path, layout: str, out: Path) -> dict[str, Any]:
                     "wrote": out.exists()}
         out.mkdir(parents=True)
         policy.save(out / RESAVED, optimizer_format=manifest.optimizer_format)
+        # Diffed here: the stack that loaded a checkpoint reads its format (0.16 cannot read 0.19's).
+        resave_diff = diff_checkpoints(checkpoint, out / RESAVED).as_dict()
         _write_hf(policy.hf_state_dict(), out / LOADED)
         next_step = _stats(policy.step(train_batch(loaded["steps_done"])))
         _write_hf(policy.hf_state_dict(), out / AFTER)
         return {**job, "position": {k: loaded[k] for k in ("steps_done", "consumed_samples")},
                 "rng_restored": loaded["rng_restored"], "next_step": next_step, "resaved": str(out / RESAVED),
-                "loaded": str(out / LOADED), "after": str(out / AFTER)}
+                "resave_diff": resave_diff, "loaded": str(out / LOADED), "after": str(out / AFTER)}
     finally:
         policy.close()
-
-
-COMMANDS = {"save": save, "resume": resume}
 
 
 # ------------------------------------------------------------------------ another stack's process
@@ -249,12 +269,14 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     hide_gpus()  # a CPU world (forked ranks must never start CUDA)
+    jobs = dict(getattr(args, "jobs", []))
     try:
-        with World(WORLD_SIZE, "cpu", echo_output=False, start_method="fork") as world:
+        _refuse_existing(_save_outputs(args.out) if args.command == "save" else _resume_outputs(args.out, jobs))
+        with World(WORLD_SIZE, "cpu", echo_output=False, start_method="fork") as world:  # ranks start here
             if args.command == "save":
                 result = save(world, args.out, layout=args.layout, dtype=args.dtype)
             else:
-                result = resume(world, args.out, dict(args.jobs))
+                result = resume(world, args.out, jobs)
     except CheckpointError as exc:
         print(f"cross_stack {args.command}: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2

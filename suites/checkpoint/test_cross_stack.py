@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from harness.checkpoint import cross_stack
+from harness.checkpoint import CheckpointError, cross_stack, manager
 from harness.checkpoint.manifest import read_manifest, verify_files
 from harness.checkpoint.resume_check import next_step_diffs
 from harness.checkpoint.tolerances import resume_tolerance
@@ -50,15 +50,6 @@ class Stack:
             return cross_stack.resume(self.world, out, jobs)["jobs"]
         specs = [f"{name}={checkpoint}@{layout}" for name, (checkpoint, layout) in jobs.items()]
         return cross_stack.run_on(self.python, "resume", out, *specs).expect()["jobs"]
-
-    def diff(self, a, b) -> dict[str, Any]:
-        """`mrh ckpt diff` of two checkpoints on this stack (as_dict)."""
-        if self.world is not None:
-            from harness.checkpoint.diff import diff_checkpoints
-
-            return diff_checkpoints(a, b).as_dict()
-        ran = cross_stack.run_on(self.python, "ckpt", "diff", "--json", a, b, module="harness.cli")
-        return ran.expect(1 if ran.returncode == 1 else 0)  # 1: they differ (a diff all the same)
 
     def cli(self, *args: str) -> cross_stack.Ran:
         """The cross_stack command line in a process of its own, whichever stack this is."""
@@ -106,12 +97,13 @@ def _differing(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[s
 def test_a_checkpoint_of_megatron_core_016_loaded_on_019_at_another_layout_resaves_as_the_same_checkpoint(
         stacks, written, resumed, report):
     """Every tensor (model and optimizer state) and the common state that 0.19 loaded at dp2,
-    written out again without a step, equals the tp2 checkpoint of 0.16: diffed on 0.19, which reads
-    both formats. (At tp2 the next step below is bit for bit, which a wrong load would not give.)"""
+    written out again without a step, equals the tp2 checkpoint of 0.16 (the `mrh ckpt diff`
+    comparison, made on 0.19: it reads both formats). At tp2 the next step below is the
+    uninterrupted one bit for bit."""
     layout = "dp2"
     job = resumed[f"fully_reshardable@{layout}"]
     assert job["position"] == written["position"]
-    diff = stacks[READER].diff(written["checkpoints"]["fully_reshardable"], job["resaved"])
+    diff = job["resave_diff"]
     differing = len(diff["mismatched"]) + len(diff["missing"]) + len(diff["extra"]) + len(diff["common"])
     report.add("tensors_differing", differing, tolerance=0, passed=diff["ok"], claim="exact",
                layout=f"{LAYOUT}->{layout}", direction=_direction(stacks), optimizer_format="fully_reshardable",
@@ -204,3 +196,26 @@ def test_mbridge_and_megatron_bridge_export_one_state_as_the_same_hf_tensors(sta
     assert {t.dtype for t in exported.values()} == {torch.float32}
     assert not differing, differing
     assert len(exported) > 0
+
+
+@pytest.mark.parametrize("here, files, refused", [
+    ("0.16.1", ["__0_0.distcp", ".metadata", "metadata.json"], True),  # 0.19's layout on 0.16
+    ("0.16.1", ["__0_0.distcp", ".metadata", "metadata.json", "common.pt"], False),  # 0.16's own
+    ("0.19.2", ["__0_0.distcp", ".metadata", "metadata.json"], False),  # 0.19 reads its own format
+    ("0.19.2", ["__0_0.distcp", ".metadata", "metadata.json", "common.pt"], False),  # and 0.16's
+])
+def test_the_refusal_follows_where_the_common_state_is_and_who_reads_it(monkeypatch, here, files, refused):
+    """The rule behind the refusal above, on either stack without the other: a checkpoint without
+    common.pt is refused exactly where megatron-core reads the common state only from there."""
+    from harness.checkpoint.manifest import Manifest
+
+    written_by = "0.19.2" if "common.pt" not in files else "0.16.1"
+    manifest = Manifest(model="m", model_config={}, layout="tp2", world_size=2, dtype="fp32",
+                        optimizer_format="fully_reshardable", steps_done=2, consumed_samples=16,
+                        megatron_core=written_by, files={name: {"size": 1, "sha256": ""} for name in files})
+    monkeypatch.setattr(manager, "_megatron_version", lambda: here)
+    if not refused:
+        manager.check_format_readable("ckpt", manifest)
+        return
+    with pytest.raises(CheckpointError, match=rf"megatron-core {written_by}.*megatron-core {here} here.*common\.pt"):
+        manager.check_format_readable("ckpt", manifest)
