@@ -26,8 +26,9 @@ megatron-core 0.19.2 + Megatron-Bridge 0.6.2 + torch 2.15, 2026-11-25):
 - 0.16 -> 0.19 resumes exactly. A fully_reshardable checkpoint saved at tp2 and loaded at dp2 (or
   tp2) on 0.19 saves again equal to it, every tensor bit for bit (`mrh ckpt diff`); the next step
   at tp2 is the uninterrupted one bit for bit (loss, grad norm, every weight); a dp_reshardable one
-  (same TP/PP only) resumes on 0.19 exactly as on 0.16. bf16 too (once by hand: the re-save diffs
-  equal, the two exports are torch.equal), not in the suite: its CPU steps triple the time.
+  (same TP/PP only) resumes on 0.19 exactly as on 0.16. bf16 too (once by hand, tp2 -> dp2: the
+  re-save diffs equal, the two exports are torch.equal), not in the suite: bf16 steps on CPU are
+  several times slower than fp32 ones.
 - 0.19 -> 0.16 is refused. 0.19 writes the common state into the torch_dist files and no common.pt
   (NVIDIA/Megatron-LM#5160); 0.16.1 reads it only from common.pt, and without the refusal every
   rank failed inside dist_checkpointing.load (FileNotFoundError: .../common.pt, after building its
@@ -37,8 +38,9 @@ megatron-core 0.19.2 + Megatron-Bridge 0.6.2 + torch 2.15, 2026-11-25):
     data position, optimizer param groups) inside its torch_dist files and writes no common.pt;
     megatron-core 0.16.1 here reads the common state only from common.pt, so every rank would fail
     half-way into the load. Resume it with megatron-core 0.19.x (nothing was loaded)
-- Trained from the same HF weights, the two stacks take the same steps bit for bit, and
-  mbridge and Megatron-Bridge export every HF tensor of one state with the same name and value.
+- Trained from the same HF weights (tp2, fp32), the two stacks take the same steps bit for bit
+  (loss, grad norm; their checkpoints diff equal), and mbridge and Megatron-Bridge export every HF
+  tensor of one state with the same name and value.
 - Found on the way (either stack, not cross-stack): a dp_reshardable checkpoint does not carry torch
   Adam's per-parameter step (loaded: 0, saved: 2), so the weights after a resumed step differ from
   the uninterrupted ones (max |diff| 5.7e-4) while its loss and grad norm, taken before the update,
