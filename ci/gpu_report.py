@@ -35,7 +35,8 @@ def environment() -> dict:
     return {
         "host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
         "cuda": torch.version.cuda, "driver": driver, "gpus": gpus, "gpu_count": len(gpus),
-        **{name: _version(name) for name in ("megatron-core", "mbridge", "transformers", "transformer-engine")},
+        **{name: _version(name) for name in ("megatron-core", "mbridge", "megatron-bridge", "transformers",
+                                             "transformer-engine")},
         **git_revision(),
     }
 
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     lines = [f"# {args.name}", "", f"- command: `{args.command}`", f"- started: {args.started}, wall {args.wall_s:.0f} s",
              f"- machine: {env['gpu_count']}x {env['gpus'][0] if env['gpus'] else 'no GPU'}, driver {env['driver']}, host {env['host']}",
              f"- versions: python {env['python']}, torch {env['torch']} (CUDA {env['cuda']}), megatron-core {env['megatron-core']}, "
-             f"mbridge {env['mbridge']}, transformers {env['transformers']}, transformer-engine {env['transformer-engine']}",
+             f"mbridge {env['mbridge']}, megatron-bridge {env.get('megatron-bridge')}, transformers {env['transformers']}, transformer-engine {env['transformer-engine']}",
              _commit_line(env),
              "- outcome: " + ", ".join(f"{v} {k}" for k, v in counts.items()), "",
              "| test | outcome | time (s) | detail |", "|---|---|---|---|"]
