@@ -23,7 +23,7 @@ if ! git rev-parse HEAD >/dev/null 2>&1 && [ -z "${MRH_GIT_COMMIT:-}" ]; then
 fi
 # Install once per machine (several runs may share it, possibly concurrently on disjoint GPUs).
 # Stack B (MRH_BRIDGE=megatron-bridge): megatron-core 0.19.2 + Megatron-Bridge 0.6.2 + omegaconf, carried
-# in .whl-b/ (docs/stacks.md); stack A: megatron-core 0.16.1 + mbridge 0.15.1 in .whl/. One stack per machine.
+# in .whl-b/ (docs/versions.md); stack A: megatron-core 0.16.1 + mbridge 0.15.1 in .whl/. One stack per machine.
 if [ "${MRH_BRIDGE:-mbridge}" = megatron-bridge ]; then wheels=.whl-b; bridge=megatron.bridge; else wheels=.whl; bridge=mbridge; fi
 if ! python3 -c "import importlib.util as u, megatron.core, harness; assert u.find_spec('$bridge')" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile "$wheels"/*.whl || exit 1

