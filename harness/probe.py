@@ -7,6 +7,8 @@ same loss and gradient norm. Used by the harness's own tests and by `mrh bench w
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import zlib
 from dataclasses import asdict, dataclass
@@ -46,17 +48,39 @@ def build_model(spec: ProbeSpec, device: torch.device) -> torch.nn.Module:
         use_cpu_initialization=True, tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
         sequence_parallel=False, pipeline_dtype=torch.float32,
-        # The local spec's attention, said as such: megatron-core 0.19 checks "auto" against the NVTE_*
-        # variables an earlier local-backend model of the same rank has set, and refuses
+        # The local spec's attention, said as such (the probe never runs TE attention)
         attention_backend=AttnBackend.local,
     )
-    model = GPTModel(
-        config, get_gpt_layer_local_spec(), vocab_size=spec.vocab_size,
-        max_sequence_length=spec.seq_length, pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=False,
-    ).to(device)
+    with _own_attention_env():
+        model = GPTModel(
+            config, get_gpt_layer_local_spec(), vocab_size=spec.vocab_size,
+            max_sequence_length=spec.seq_length, pre_process=ps.is_pipeline_first_stage(),
+            post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=False,
+        ).to(device)
     _fill_weights(model, spec.seed)
     return model
+
+
+@contextlib.contextmanager
+def _own_attention_env():
+    """Build the probe as if no model had been built in this rank before. megatron-core sets
+    NVTE_FLASH/FUSED/UNFUSED_ATTN process-wide from the first model's attention backend (1 for
+    "auto", mbridge's; 0 for "local", Megatron-Bridge's) and asserts every later model agrees: the probe
+    then failed after an mbridge model with "local" (nightly, megatron-core 0.16.1) and after a
+    Megatron-Bridge model with "auto" (0.19.2). The variables are put back after the build: the rank's
+    other models (TE's attention reads them) keep what they were built with."""
+    from harness.launch.facts import TE_ATTENTION_ENV
+
+    names = TE_ATTENTION_ENV[:3]
+    saved = {name: os.environ.pop(name, None) for name in names}
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _global_name(model: torch.nn.Module, name: str) -> str:

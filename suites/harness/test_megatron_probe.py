@@ -44,3 +44,34 @@ def test_probe_weights_change_the_figures(world_pool):
     a = run_in_layout(world, "tp2", forward_backward, ProbeSpec(seed=0))[0]
     b = run_in_layout(world, "tp2", forward_backward, ProbeSpec(seed=1))[0]
     assert abs(a["loss"] - b["loss"]) > 1e-3
+
+
+def _probe_after_another_backend(layout, value: str) -> tuple[dict, dict, dict]:
+    """Leave the NVTE_* variables as an earlier model of this rank would (megatron-core sets them
+    process-wide from a model's attention backend), run the probe, and report them before and after."""
+    import os
+
+    from harness.launch.facts import TE_ATTENTION_ENV
+
+    names = TE_ATTENTION_ENV[:3]
+    saved = {name: os.environ.get(name) for name in names}
+    try:
+        for name in names:
+            os.environ[name] = value
+        before = {name: os.environ.get(name) for name in names}
+        result = forward_backward(layout, ProbeSpec())
+        return before, {name: os.environ.get(name) for name in names}, result
+    finally:
+        for name, old in saved.items():
+            os.environ.pop(name, None) if old is None else os.environ.__setitem__(name, old)
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("value", ["1", "0"], ids=["after-an-auto-backend-model", "after-a-local-backend-model"])
+def test_the_probe_runs_whatever_backend_the_ranks_last_model_had(world, device, value):
+    """mbridge builds with attention backend "auto" (NVTE_*=1), Megatron-Bridge with "local" (0), and
+    megatron-core refuses a model whose backend disagrees with what an earlier one set: the probe
+    (local) failed after an mbridge model in the nightly run. It must run after either, and leave the
+    variables as it found them (the rank's other models were built with them)."""
+    for before, after, result in run_in_layout(world, "tp2", _probe_after_another_backend, value):
+        assert after == before and math.isfinite(result["loss"])
