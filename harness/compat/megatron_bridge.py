@@ -28,6 +28,7 @@ import importlib.util
 import sys
 from importlib.metadata import PackageNotFoundError, version as _dist_version
 
+from harness.compat import refuse_unverified
 from harness.compat.megatron_core import Workaround
 
 TE_IMPORT = Workaround(
@@ -52,11 +53,8 @@ def version() -> str | None:
 
 
 def require(workaround: Workaround) -> None:
-    found = version()
-    if found not in workaround.verified_on:
-        raise UnverifiedMegatronBridgeError(
-            f"{workaround.name}: verified on Megatron-Bridge {', '.join(workaround.verified_on)}, this is "
-            f"{found}; re-verify (import megatron.bridge without Transformer Engine) before adding it")
+    refuse_unverified(UnverifiedMegatronBridgeError, "Megatron-Bridge", version(), workaround.name,
+                      workaround.verified_on, "import megatron.bridge without Transformer Engine")
 
 
 def te_installed() -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 
+from harness.compat import refuse_unverified
 from harness.compat.megatron_core import Workaround
 
 CUBLAS_WORKSPACE = Workaround(
@@ -32,11 +33,8 @@ def version() -> str | None:
 
 
 def require(workaround: Workaround) -> None:
-    found = version()
-    if found not in workaround.verified_on:
-        raise UnverifiedTransformerEngineError(
-            f"{workaround.name}: verified on Transformer Engine {', '.join(workaround.verified_on)}, "
-            f"this is {found}; re-verify (suites/offload on the te spec) before adding it")
+    refuse_unverified(UnverifiedTransformerEngineError, "Transformer Engine", version(), workaround.name,
+                      workaround.verified_on, "suites/offload on the te spec")
 
 
 _GETTERS = ("get_cublas_workspace", "_get_grouped_cublas_workspace")

@@ -106,3 +106,17 @@ def test_tensors_pickle_as_torch_does_for_a_process_without_megatron(monkeypatch
     assert b"megatron" not in payload and storage._load_from_bytes is safe_load_from_bytes
     monkeypatch.undo()  # torch's own loader back, as in the engine's process
     assert torch.equal(pickle.loads(payload), tensor)
+
+
+@pytest.mark.parametrize("module", ["megatron_bridge", "transformer_engine"])
+def test_other_libraries_workarounds_refuse_an_unverified_version(module, monkeypatch):
+    """Megatron-Bridge's and TE's workarounds are gated like megatron-core's: on a version nobody
+    verified them on, one clear error naming the library, the versions and how to re-verify."""
+    import importlib
+
+    lib = importlib.import_module(f"harness.compat.{module}")
+    workaround = next(v for v in vars(lib).values() if isinstance(v, compat.Workaround))
+    monkeypatch.setattr(lib, "version", lambda: "9.9.9")
+    with pytest.raises(Exception, match=rf"{workaround.name}: verified on .* this is 9\.9\.9; re-verify \(") as info:
+        lib.require(workaround)
+    assert type(info.value).__name__.startswith("Unverified")
