@@ -77,6 +77,20 @@ class Variant:
     # (device, dtype) -> None, or why it cannot show there with what is installed here (e.g. which
     # Adam megatron-core uses).
     needs: Callable[[str, str], str | None] | None = None
+    # A megatron-core bug the harness works around (a Workaround of harness.compat.megatron_core, by
+    # name): its gate says per megatron-core version whether megatron-core's own code still has it.
+    workaround: str | None = None
+
+    def versions(self) -> str | None:
+        """Per megatron-core version, whether its own code has the bug (from the workaround's gate,
+        measured by suites/checkpoint/test_upstream_workarounds.py); None for other entries."""
+        if self.workaround is None:
+            return None
+        from harness.compat.megatron_core import WORKAROUNDS
+
+        gate = next(w for w in WORKAROUNDS if w.name == self.workaround)
+        shows = f"the bug shows on megatron-core {', '.join(gate.verified_on)} (worked around there)"
+        return shows + (f"; gone on {', '.join(gate.not_needed_on)}" if gate.not_needed_on else "")
 
     def why_not(self, layout, config) -> str | None:
         return self.requires(layout, config) if self.requires else None
@@ -234,7 +248,8 @@ _ENTRIES: tuple[Variant, ...] = (
             "resume vs the uninterrupted run: next-step param_max_abs_diff (bit-exact at the same "
             "layout; fp32 bound at another)",
             upstream="megatron-core 0.16.1 DistributedOptimizer.load_state_dict without Apex/TE "
-                     "(found by this harness)", default_layout="tp2->tp2", needs=_needs_torch_adam),
+                     "(found by this harness)", default_layout="tp2->tp2", needs=_needs_torch_adam,
+            workaround="shared-adam-step"),
     Variant("rng-not-restored", "checkpoint", "upstream-bug",
             "the RNG states are not restored on resume (load_rng hard-coded off)",
             "with dropout on, the resumed step differs from the uninterrupted one",

@@ -308,7 +308,8 @@ def describe(repro: Repro) -> str:
     v = repro.variant
     lines = [f"{v.id} ({v.component}, {v.kind}) at {repro.layout}, {repro.dtype}, {repro.device}",
              f"  wrong:    {v.description}", f"  symptom:  {v.symptom}",
-             f"  upstream: {v.upstream or '-'}", f"  check:    {v.caught_by}",
+             f"  upstream: {v.upstream or '-'}", *([f"  versions: {v.versions()}"] if v.versions() else []),
+             f"  check:    {v.caught_by}",
              f"  variant:  {'PASS' if repro.buggy.passed else 'FAIL'}  {repro.buggy.summary}",
              f"  fixed:    {'PASS' if repro.fixed.passed else 'FAIL'}  {repro.fixed.summary}"]
     separating = repro.separating
@@ -342,4 +343,5 @@ def catalog_rows() -> list[dict[str, Any]]:
 
     keep = ("id", "component", "kind", "description", "symptom", "caught_by", "upstream", "default_layout",
             "model")
-    return [{k: v for k, v in dataclasses.asdict(entry).items() if k in keep} for entry in CATALOG.values()]
+    return [{**{k: v for k, v in dataclasses.asdict(entry).items() if k in keep}, "versions": entry.versions()}
+            for entry in CATALOG.values()]

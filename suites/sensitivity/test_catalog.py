@@ -45,6 +45,20 @@ def test_every_entry_says_what_it_is():
             assert variant.upstream, f"{variant.id}: an upstream bug names its report"
 
 
+def test_a_megatron_core_bug_says_per_version_whether_megatron_core_still_has_it():
+    """An entry for a megatron-core bug the harness works around names its workaround, whose gate
+    was measured per megatron-core version (test_upstream_workarounds): the catalog says so."""
+    from harness.compat.megatron_core import WORKAROUNDS
+
+    linked = [v for v in CATALOG.values() if v.workaround]
+    assert linked, "no catalog entry names a megatron-core workaround"
+    for variant in linked:
+        gate = next((w for w in WORKAROUNDS if w.name == variant.workaround), None)
+        assert gate is not None, f"{variant.id}: no workaround {variant.workaround!r} in harness.compat.megatron_core"
+        assert all(version in variant.versions() for version in gate.verified_on + gate.not_needed_on)
+    assert all(v.versions() is None for v in CATALOG.values() if not v.workaround)
+
+
 def test_a_check_takes_only_its_own_components_variants():
     assert require("scaled-norm", check="parity").id == "scaled-norm"
     with pytest.raises(VariantError, match="is a training variant"):
