@@ -5,6 +5,7 @@ and other wall times (which a different CI machine gives)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -15,6 +16,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent  # the environment running these tests holds `mrh`
+# The Makefile as a fresh shell runs it: under `make nightly RUN_DIR=...` the outer make's variables
+# reach an inner make through MAKEFLAGS and would override what these tests read.
+MAKE_ENV = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
 INNER = """
 import json
 import pytest
@@ -62,7 +66,7 @@ def _test(project, **values) -> Path:
 def _make(target: str, project) -> subprocess.CompletedProcess:
     return subprocess.run(["make", "--no-print-directory", "-C", str(REPO), target, f"BIN={BIN}",
                            f"RUN_DIR={project.path / 'runs' / 'latest'}", f"BASELINE={project.path / 'baseline'}"],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=MAKE_ENV)
 
 
 def _compare(project) -> tuple[int, str]:
@@ -123,6 +127,7 @@ def test_ci_runs_setup_test_and_compare_and_stops_at_the_first_failure():
     lines = [l.strip() for l in (REPO / ".ci" / "run").read_text().splitlines() if l.strip() and not l.startswith("#")]
     assert "set -euo pipefail" in lines
     assert [l.split()[1] for l in lines if l.startswith("make ")] == ["setup", "test", "compare"]
-    dry = subprocess.run(["make", "-n", "-C", str(REPO), "test", "compare"], capture_output=True, text=True, check=True)
+    dry = subprocess.run(["make", "-n", "-C", str(REPO), "test", "compare"], capture_output=True, text=True, check=True,
+                         env=MAKE_ENV)
     assert "--mrh-run-dir=reports/runs/latest" in dry.stdout
     assert "report compare reports/baselines/cpu reports/runs/latest" in dry.stdout
