@@ -25,8 +25,8 @@ Measured (2 CPU ranks, tiny-qwen3-kv4 fp32, megatron-core 0.16.1 + mbridge 0.15.
 megatron-core 0.19.2 + Megatron-Bridge 0.6.2 + torch 2.15, 2026-11-25):
 - 0.16 -> 0.19 resumes exactly. A fully_reshardable checkpoint saved at tp2 and loaded at dp2 (or
   tp2) on 0.19 saves again equal to it, every tensor bit for bit (`mrh ckpt diff`); the next step
-  at tp2 is the uninterrupted one bit for bit (loss, grad norm, every weight); a dp_reshardable one
-  (same TP/PP only) resumes on 0.19 exactly as on 0.16. bf16 too (once by hand, tp2 -> dp2: the
+  at tp2 is the uninterrupted one bit for bit (loss, grad norm, every weight), and so is that of
+  a dp_reshardable one (same TP/PP only). bf16 too (once by hand, tp2 -> dp2: the
   re-save diffs equal, the two exports are torch.equal), not in the suite: bf16 steps on CPU are
   several times slower than fp32 ones.
 - 0.19 -> 0.16 is refused. 0.19 writes the common state into the torch_dist files and no common.pt
@@ -41,10 +41,12 @@ megatron-core 0.19.2 + Megatron-Bridge 0.6.2 + torch 2.15, 2026-11-25):
 - Trained from the same HF weights (tp2, fp32), the two stacks take the same steps bit for bit
   (loss, grad norm; their checkpoints diff equal), and mbridge and Megatron-Bridge export every HF
   tensor of one state with the same name and value.
-- Found on the way (either stack, not cross-stack): a dp_reshardable checkpoint does not carry torch
-  Adam's per-parameter step (loaded: 0, saved: 2), so the weights after a resumed step differ from
-  the uninterrupted ones (max |diff| 5.7e-4) while its loss and grad norm, taken before the update,
-  are equal.
+- Found on the way (either stack, not cross-stack): a dp_reshardable load did not restore torch
+  Adam's per-parameter step (saved: 2, loaded: 0), so the weights after a resumed step differed
+  from the uninterrupted ones (max |diff| 5.7e-4) while its loss and grad norm, taken before the
+  update, were equal. megatron-core's bug on both stacks (the checkpoint carries the step, the
+  dp_reshardable parameter-state load overwrites it): worked around as `dp-reshardable-step-reset`
+  in harness.compat.megatron_core.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """megatron-core workarounds (rank-side), each gated on the versions it was verified on.
 
 Every patch the harness applies to megatron-core behaviour is here, with the upstream bug it works
-around. All four concern the DistributedOptimizer without Apex/Transformer Engine, where Megatron
+around. All five concern the DistributedOptimizer without Apex/Transformer Engine, where Megatron
 falls back to torch's Adam, which keeps a per-parameter "step" tensor that Megatron's checkpoint
 code does not expect (with TE installed megatron-core uses TE's FusedAdam, for either layer spec,
 which keeps its step in the param groups: none of them applies, and none is applied):
@@ -18,6 +18,17 @@ which keeps its step in the param groups: none of them applies, and none is appl
   bias correction, the resumed weights drift (2.5e-4 after one step on tiny-qwen3).
 - `DP_RESHARDABLE_GRAD_COPY`: `load_parameter_state_from_dp_reshardable` lacks the `no_grad` its
   siblings have and copies in place into leaf main params that require grad (RuntimeError).
+- `DP_RESHARDABLE_STEP_RESET` (found by this harness): the dp_reshardable checkpoint does carry the
+  step (in its param groups, which `load_state_dict` restores), but
+  `load_parameter_state_from_dp_reshardable` then overwrites it: `_set_main_param_and_optimizer_states`
+  copies every tensor of a parameter's live state, "step" included, from the loaded per-parameter
+  state, whose "step" `sharded_param_state_dp_reshardable` wraps in a `LocalNonpersistentObject`
+  (not saved: NVIDIA/Megatron-LM#2874), so it is the *loading* policy's own step when its template
+  was built (0 for a fresh policy). The resumed step's bias correction is wrong: loss and grad norm
+  (before the update) equal, the weights after it off by 5.7e-4 (tiny-qwen3-kv4, fp32, tp2, saved
+  at step 2). Also noted in a review of a fork's graft of #2874, radixark/Megatron-LM#69 ("Upstream
+  has the same bug"); no NVIDIA/Megatron-LM issue found.
+  fully_reshardable is not affected (its per-parameter state has no "step": `STEP_KEY_ERROR`).
 
 The gate: a workaround is applied only on a megatron-core version in its `verified_on`. On any
 other version `require` raises `UnverifiedMegatronCoreError` before any state changes, rather than
@@ -65,7 +76,12 @@ SHARED_ADAM_STEP = Workaround(
 DP_RESHARDABLE_GRAD_COPY = Workaround(
     "dp-reshardable-grad-copy", "load_parameter_state_from_dp_reshardable copies in place into "
     "leaf main params without no_grad", ("0.16.1", "0.19.2"))
-WORKAROUNDS = (NEVER_STEPPED_ADAM, STEP_KEY_ERROR, SHARED_ADAM_STEP, DP_RESHARDABLE_GRAD_COPY)
+DP_RESHARDABLE_STEP_RESET = Workaround(
+    "dp-reshardable-step-reset", "load_parameter_state_from_dp_reshardable overwrites the torch-Adam "
+    "'step' restored from the checkpoint's param groups with the loading policy's own (its template's "
+    "LocalNonpersistentObject; NVIDIA/Megatron-LM#2874, radixark/Megatron-LM#69)", ("0.16.1", "0.19.2"))
+WORKAROUNDS = (NEVER_STEPPED_ADAM, STEP_KEY_ERROR, SHARED_ADAM_STEP, DP_RESHARDABLE_GRAD_COPY,
+               DP_RESHARDABLE_STEP_RESET)
 
 
 def mcore_version() -> str:
@@ -152,7 +168,9 @@ def ensure_optimizer_state(optimizer) -> None:
 
 @contextmanager
 def _step_aside(optimizer) -> Iterator[None]:
-    """`STEP_KEY_ERROR`: hold each parameter's "step" aside while its state is copied in."""
+    """`STEP_KEY_ERROR`, `DP_RESHARDABLE_STEP_RESET`: hold each parameter's "step" (the one
+    `load_state_dict` restored from the checkpoint's param groups) aside while its state is copied
+    in, so the copy neither asks the checkpoint for it nor overwrites it."""
     held: list[tuple[dict, Any]] = []
     for inner in _torch_adams(optimizer):
         for state in inner.state.values():
@@ -178,23 +196,28 @@ def load_optimizer_state_dict(optimizer, state_dict: dict, *, unshare_steps: boo
     checked before anything changes). unshare_steps=False keeps `SHARED_ADAM_STEP` (the shipped
     buggy variant)."""
     torch_adam = uses_torch_adam(optimizer)
-    require(DP_RESHARDABLE_GRAD_COPY, *([STEP_KEY_ERROR] if torch_adam else []),
+    require(DP_RESHARDABLE_GRAD_COPY, *([STEP_KEY_ERROR, DP_RESHARDABLE_STEP_RESET] if torch_adam else []),
             *([SHARED_ADAM_STEP] if unshare_steps and torch_adam else []))
-    dist_opts = _distributed_optimizers(optimizer) if torch_adam and applies(STEP_KEY_ERROR) else []
-    for dist_opt in dist_opts:  # instance attributes shadow the class method for this load only
-        original = dist_opt.load_parameter_state_from_fully_reshardable
+    # The per-format parameter-state loaders that must not touch torch Adam's "step".
+    methods = [method for method, workaround in (("load_parameter_state_from_fully_reshardable", STEP_KEY_ERROR),
+                                                 ("load_parameter_state_from_dp_reshardable",
+                                                  DP_RESHARDABLE_STEP_RESET))
+               if torch_adam and applies(workaround)]
+    dist_opts = _distributed_optimizers(optimizer) if methods else []
+    for dist_opt in dist_opts:  # instance attributes shadow the class methods for this load only
+        for method in methods:
+            def load_param_state(param_state, _original=getattr(dist_opt, method), _opt=dist_opt):
+                with _step_aside(_opt):
+                    _original(param_state)
 
-        def load_param_state(param_state, _original=original, _opt=dist_opt):
-            with _step_aside(_opt):
-                _original(param_state)
-
-        dist_opt.load_parameter_state_from_fully_reshardable = load_param_state
+            setattr(dist_opt, method, load_param_state)
     try:
         with torch.no_grad() if applies(DP_RESHARDABLE_GRAD_COPY) else contextlib.nullcontext():
             optimizer.load_state_dict(state_dict)
     finally:
         for dist_opt in dist_opts:
-            del dist_opt.load_parameter_state_from_fully_reshardable  # back to the class method
+            for method in methods:
+                delattr(dist_opt, method)  # back to the class method
     if unshare_steps and torch_adam and applies(SHARED_ADAM_STEP):
         _unshare_steps(optimizer)
 

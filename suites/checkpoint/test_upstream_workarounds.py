@@ -5,7 +5,9 @@ others applied, on a throwaway policy) and sees whether its bug shows:
 - never-stepped-adam: a never-stepped policy loads a checkpoint;
 - fully-reshardable-step-keyerror: a policy loads a fully_reshardable optimizer state;
 - shared-adam-step: after a load, do parameters share one Adam `step` tensor?
-- dp-reshardable-grad-copy: a policy loads a dp_reshardable optimizer state.
+- dp-reshardable-grad-copy: a policy loads a dp_reshardable optimizer state;
+- dp-reshardable-step-reset: a never-stepped policy loads a dp_reshardable optimizer state saved
+  after one step: is every parameter's Adam `step` 1 (the checkpoint's) or still 0 (its own)?
 
 The bug must show on every version the workaround is verified (applied) on and must not on every
 version it is marked not needed on; a version in neither list fails with what was seen, to be
@@ -19,7 +21,10 @@ from harness.checkpoint.resume_check import CONFIG, MODEL, train_batch
 from harness.compat import megatron_core as compat
 
 BY_NAME = {w.name: w for w in compat.WORKAROUNDS}
-FORMAT = {"dp-reshardable-grad-copy": "dp_reshardable"}
+FORMAT = {"dp-reshardable-grad-copy": "dp_reshardable", "dp-reshardable-step-reset": "dp_reshardable"}
+# The bugs seen on a never-stepped target: the others' targets take one step first (only the bug's
+# path differs); dp-reshardable-step-reset's would then have the checkpoint's step already.
+UNSTEPPED = ("never-stepped-adam", "dp-reshardable-step-reset")
 
 
 def _save(worker, directory: str, optimizer_format: str) -> None:
@@ -36,10 +41,14 @@ def _bug_shows(worker, name: str, directory: str, optimizer_format: str) -> str 
             worker.load_checkpoint(directory, optimizer_format=optimizer_format)
         except Exception as exc:  # noqa: BLE001 - the bug, as megatron-core raises it
             return f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+    steps = [s["step"] for o in compat._torch_adams(worker.optimizer) for s in o.state.values() if "step" in s]
     if name == "shared-adam-step":
-        steps = [s["step"] for o in compat._torch_adams(worker.optimizer) for s in o.state.values() if "step" in s]
         if len({id(t) for t in steps}) < len(steps):
             return f"{len(steps)} parameters share {len({id(t) for t in steps})} step tensor(s)"
+    if name == "dp-reshardable-step-reset":
+        values = sorted({float(t) for t in steps})
+        if values != [float(worker.steps_done)]:
+            return f"Adam steps {values} after loading a checkpoint saved after {worker.steps_done} step(s)"
     return None
 
 
@@ -51,7 +60,7 @@ def test_a_workaround_is_applied_exactly_where_its_bug_shows(policy, device, tmp
     source.apply(_save, str(tmp_path), fmt)
     source.close()
     target = policy("dp2", MODEL, **CONFIG)
-    if name != "never-stepped-adam":
+    if name not in UNSTEPPED:
         target.step(train_batch(0))  # a stepped optimizer: only this bug's path differs
     seen = target.apply(_bug_shows, name, str(tmp_path), fmt)
     if any(s and s.startswith("n/a") for s in seen):
