@@ -19,9 +19,13 @@ class UnsupportedVersionError(RuntimeError):
 
 
 def mcore_version() -> str:
+    """megatron-core's release (package_info.__version__ without a local '+...' part). 0.19 appends
+    `+<git short hash>` of whatever git repository its install directory sits in: a .venv-b inside
+    the harness's checkout read as '0.19.2+1cd4970', and every version gate refused it (the first
+    fresh-clone CI run, 2026-11-25)."""
     from megatron.core import package_info
 
-    return package_info.__version__
+    return package_info.__version__.split("+", 1)[0]
 
 
 def mbridge_version() -> str:

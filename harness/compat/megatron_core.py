@@ -85,9 +85,9 @@ WORKAROUNDS = (NEVER_STEPPED_ADAM, STEP_KEY_ERROR, SHARED_ADAM_STEP, DP_RESHARDA
 
 
 def mcore_version() -> str:
-    from megatron.core import package_info
+    from harness.bridge.versions import mcore_version as release
 
-    return package_info.__version__
+    return release()
 
 
 _trial: set[str] | None = None  # inside `trial`: the workarounds left out (megatron-core's own path)

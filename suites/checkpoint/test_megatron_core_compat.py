@@ -31,6 +31,14 @@ def test_every_workaround_is_verified_on_the_installed_version():
     assert all(w.verified_on and w.bug for w in compat.WORKAROUNDS)
 
 
+def test_a_vcs_suffix_is_not_a_version(version):
+    """megatron-core 0.19 appends `+<git hash>` of the repository its install directory sits in (a
+    venv inside a checkout): the gates read the release."""
+    version("0.19.2+1cd4970")
+    assert compat.mcore_version() == "0.19.2"
+    compat.require(*compat.WORKAROUNDS)
+
+
 @pytest.mark.parametrize("workaround", compat.WORKAROUNDS, ids=lambda w: w.name)
 def test_an_unverified_version_is_refused(version, workaround):
     version("0.16.2")
