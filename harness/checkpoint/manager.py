@@ -36,12 +36,9 @@ IMPLEMENTED = ("shared-adam-step", "rng-not-restored", "dp-reshardable")
 
 
 def _megatron_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+    from harness.bridge.versions import mcore_version  # the release, as the version gates read it
 
-    try:
-        return version("megatron-core")
-    except PackageNotFoundError:
-        return "unknown"
+    return mcore_version()
 
 
 def policy_manifest(policy, partial: Path, position: dict[str, Any], optimizer_format: str, started: float,

@@ -49,6 +49,8 @@ from typing import Any, Iterator
 
 import torch
 
+from harness.bridge.versions import mcore_version  # the release, one reader for every gate
+
 
 class UnverifiedMegatronCoreError(RuntimeError):
     """A workaround was asked for on a megatron-core version it was not verified on."""
@@ -82,12 +84,6 @@ DP_RESHARDABLE_STEP_RESET = Workaround(
     "LocalNonpersistentObject; NVIDIA/Megatron-LM#2874, radixark/Megatron-LM#69)", ("0.16.1", "0.19.2"))
 WORKAROUNDS = (NEVER_STEPPED_ADAM, STEP_KEY_ERROR, SHARED_ADAM_STEP, DP_RESHARDABLE_GRAD_COPY,
                DP_RESHARDABLE_STEP_RESET)
-
-
-def mcore_version() -> str:
-    from harness.bridge.versions import mcore_version as release
-
-    return release()
 
 
 _trial: set[str] | None = None  # inside `trial`: the workarounds left out (megatron-core's own path)
