@@ -190,9 +190,10 @@ class FaultNotReached(RuntimeError):
 def _describe(pid: int) -> str:
     import psutil
 
-    try:
-        return f"{pid} {' '.join(psutil.Process(pid).cmdline())[:160]}"
-    except psutil.Error:
+    try:  # parent and group name the survivor: a rank (group = itself) or what a rank started
+        proc = psutil.Process(pid)
+        return f"{pid} (parent {proc.ppid()}, group {os.getpgid(pid)}) {' '.join(proc.cmdline())[:160]}"
+    except (psutil.Error, ProcessLookupError):
         return f"{pid} (gone)"
 
 

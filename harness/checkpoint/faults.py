@@ -7,7 +7,8 @@ it. A plan names one point, the iteration of the save it applies to, the rank (N
 what to do there, and a log file every process involved appends its records to:
 
 - "kill": SIGKILL every process of this session (the whole training job: the driver, its ranks,
-  their writers and queue servers), itself last. Only inside the session the plan was made for,
+  their writers and queue servers), itself last. One process kills: the first to reach the point
+  (a claim file beside the log); any other that reaches it meanwhile waits to be killed. Only inside the session the plan was made for,
   so a plan leaked into another process can never kill a test runner (`session` must equal
   `os.getsid(0)`).
 - "kill-driver": SIGKILL the session's leader only (the driver; the OOM killer's shape): its ranks
@@ -154,9 +155,45 @@ def fault(point: str, iteration: int | None, *, rank: int | None = None) -> None
         while not _awaited(plan):
             time.sleep(_POLL_S)
     if plan.action == "kill":
-        kill_session(plan.session)
+        if _claim_the_kill(plan):
+            kill_session(plan.session)
+        else:
+            _await_the_killer(plan)
     elif plan.action == "kill-driver":
         kill_driver(plan.session)
+
+
+KILLER_WAIT_S = 60.0  # far beyond a kill_session's few listings; only a broken killer runs it out
+
+
+def _claim_the_kill(plan: FaultPlan) -> bool:
+    """Whether this process is the one to kill the session: the first to create the plan's claim
+    file (O_EXCL: exactly one process wins). Needed because every rank of a sync save reaches a
+    rank-side point at about the same instant: two concurrent killers could SIGKILL each other
+    before either reached the processes later in the listing (a rank's write-results Manager, in
+    its own process group, lived on: stack B nightly at 8990971, 75 of 100 trials of two ranks
+    started on one instant in a reproduction)."""
+    if plan.session is None or os.getsid(0) != plan.session:
+        raise RuntimeError(f"refusing to kill session {plan.session}: this process is in session {os.getsid(0)}")
+    if not plan.log:
+        raise RuntimeError("a 'kill' plan needs a log: its claim file sits beside it")
+    try:
+        handle = os.open(f"{plan.log}.killer", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    os.write(handle, str(os.getpid()).encode())
+    os.close(handle)
+    return True
+
+
+def _await_the_killer(plan: FaultPlan) -> None:
+    """Another process claimed the kill: wait for its SIGKILL instead of racing it."""
+    append_record(plan.log, event="fault-deferred", pid=os.getpid(), rank=_rank())
+    deadline = time.monotonic() + KILLER_WAIT_S
+    while time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+    raise RuntimeError(f"the process that claimed the kill of session {plan.session} "
+                       f"({Path(f'{plan.log}.killer').read_text()}) did not kill this one within {KILLER_WAIT_S:.0f}s")
 
 
 def awaiting_writes(iteration: int | None) -> None:
