@@ -39,7 +39,7 @@ CONSTRAINTS_B ?= ci/constraints/harness-cpu-b.txt
 # (the cross-stack checks included), offload's training equivalence, weight sync and the vLLM engine, and
 # the catalog variants whose mechanism is version-specific. Everything else of the CPU tier runs on it under
 # `make nightly`. Its run report: $(RUN_DIR)-b.
-STACK_B_SLICE ?= suites/bridge suites/parity/test_parity.py suites/training \
+STACK_B_SLICE ?= suites/bridge suites/parity/test_parity.py suites/training suites/moe \
   suites/checkpoint/test_reshard_resume.py suites/checkpoint/test_rotation.py suites/checkpoint/test_durability.py \
   suites/checkpoint/test_upstream_workarounds.py suites/checkpoint/test_megatron_core_compat.py \
   suites/checkpoint/test_cross_stack.py suites/checkpoint/test_faults.py \

@@ -100,10 +100,25 @@ class _CpuStream:
     def __exit__(self, *exc: Any) -> None:
         return None
 
+    def record_event(self, *args: Any, **kwargs: Any) -> "_CpuStream":
+        # The alltoall token dispatcher synchronizes on the event this returns (d2h_event).
+        return _CpuStream()
+
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name.startswith("__"):
             raise AttributeError(name)
-        return _ignore  # wait_stream, wait_event, record_event, record, synchronize, query...
+        return _ignore  # wait_stream, wait_event, record, synchronize, query...
+
+
+def _split_sizes_to_cpu(original: Callable[..., Any]) -> Callable[..., Any]:
+    """megatron-core's token dispatcher moves the all-to-all split sizes to the host with
+    `maybe_move_tensor_to_cpu(..., as_numpy=True)`, which converts CUDA tensors only: a CPU tensor
+    stays a tensor, and gloo's all_to_all_single refuses it as split sizes (ep > 1)."""
+    def maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy() if as_numpy else tensor
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+    return maybe_move_tensor_to_cpu
 
 
 def is_installed() -> bool:
@@ -146,6 +161,13 @@ def install() -> None:
         _patch(mcore_random, "_set_cuda_rng_state", _set_cpu_rng_state)
         _patch(mcore_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
         logging.getLogger(mcore_random.__name__).addFilter(_rng_filter)
+    try:
+        from megatron.core.transformer.moe import token_dispatcher
+    except ImportError:
+        token_dispatcher = None
+    if token_dispatcher is not None and hasattr(token_dispatcher, "maybe_move_tensor_to_cpu"):
+        _patch(token_dispatcher, "maybe_move_tensor_to_cpu",
+               _split_sizes_to_cpu(token_dispatcher.maybe_move_tensor_to_cpu))
     warnings.filterwarnings("ignore", message=".*CPU RNG state changed.*")
     _mode = _CudaToCpuMode()
     _mode.__enter__()

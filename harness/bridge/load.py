@@ -55,7 +55,7 @@ def load_megatron_model(
     path = resolve_model(name_or_path, cache_dir, seed)
     bridge = _make_bridge(path, dtype=dtype, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                           spec=spec, sequence_parallel=sequence_parallel,
-                          norm_precision=norm_precision, config_overrides=config_overrides)
+                          norm_precision=norm_precision, config_overrides=_dispatcher_settings(config_overrides))
     models = bridge.get_model(
         weight_path=None, fp16=dtype is torch.float16, bf16=dtype is torch.bfloat16,
         wrap_with_ddp=wrap_with_ddp, ddp_config=dict(ddp_config) if ddp_config else None)
@@ -72,6 +72,27 @@ def load_megatron_model(
         chunk.harness_bridge = bridge
         chunk.harness_info = info
     return models
+
+
+DISPATCHERS = ("alltoall", "allgather")  # megatron-core's MoE token dispatchers that run without TE/DeepEP
+
+
+def _dispatcher_settings(overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`overrides` with what a chosen MoE token dispatcher needs: both bridges set
+    variable_seq_lengths (for pipeline p2p), which megatron-core refuses with the allgather
+    dispatcher; without pipeline parallelism nothing needs it."""
+    overrides = dict(overrides or {})
+    dispatcher = overrides.get("moe_token_dispatcher_type")
+    if dispatcher is not None and dispatcher not in DISPATCHERS:
+        raise ValueError(f"MoE token dispatcher {dispatcher!r}: choose from {', '.join(DISPATCHERS)}")
+    if dispatcher == "allgather":
+        from megatron.core import parallel_state
+
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            raise ValueError("the allgather MoE token dispatcher needs fixed sequence lengths, which the "
+                             "harness's pipeline schedule does not give: use alltoall with pp > 1")
+        overrides.setdefault("variable_seq_lengths", False)
+    return overrides
 
 
 def _make_bridge(path: Path, **kwargs: Any):
@@ -144,16 +165,15 @@ def _check_every_hf_tensor_is_used(bridge, chunks: list[torch.nn.Module], path: 
 
 def _unused_by_mbridge(bridge, chunks: list[torch.nn.Module], on_disk: set[str]) -> list[str]:
     import torch.distributed as dist
-    from megatron.core import parallel_state
-
     used: set[str] = set()
     for chunk in chunks:
         for local, name in bridge._weight_name_mapping_mcore_local_to_global(chunk).items():
             if "_extra_state" not in local:
                 used.update(bridge._weight_name_mapping_mcore_to_hf(name))
-    per_stage: list[Any] = [None] * parallel_state.get_pipeline_model_parallel_world_size()
-    dist.all_gather_object(per_stage, sorted(used), group=parallel_state.get_pipeline_model_parallel_group())
-    used = set().union(*per_stage)
+    # Every rank of the world: pipeline stages hold other layers, expert-parallel ranks other experts.
+    per_rank: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, sorted(used))
+    used = set().union(*per_rank)
     if bridge.harness_tied:
         used.add("lm_head.weight")  # some tied checkpoints store the duplicate anyway
     return sorted(n for n in on_disk - used if not n.endswith(NOT_WEIGHTS))

@@ -44,6 +44,19 @@ behaviour it replaces and why:
    activation dtype, then scale by the weight); torch's RMSNorm and TE round once, after the
    weight, which alone moved bf16 logprobs by up to ~0.05 against HF. `norm_precision="fused"`
    selects torch's rounding (FusedRMSNorm); the TE spec always has TE's.
+7. Mixtral's router: MixtralBridge sets `moe_router_pre_softmax=True` (softmax over every expert,
+   then the top k, unnormalised), but HF Mixtral renormalises the top-k probabilities, which is a
+   softmax over the top-k logits (`moe_router_pre_softmax=False`). Stock, the tiny Mixtral's logits
+   are 0.33 off HF's; with the fix 1.0e-6 (fp32, CPU).
+8. Local-spec experts: mbridge maps expert weights by TEGroupedMLP's names
+   (`mlp.experts.linear_fc1.weight<e>`) and picks the expert-tensor-parallel group by testing for
+   them; the local spec builds SequentialMLP (`mlp.experts.local_experts.<e>.linear_fc1.weight`;
+   its legacy GroupedMLP needs the CUDA grouped_gemm package, so `moe_grouped_gemm` is off). We
+   name SequentialMLP's experts as the grouped ones (global expert ids under EP), and load each
+   rank's own TP/ETP shard of every tensor from the checkpoint (no scatter: mbridge's would pick the
+   dense TP group for an expert). mbridge's MoE bridges also turn on fusions the local spec has no
+   kernels for (persistent layer norm, bias fusions, permute fusion): off, as megatron-core defaults
+   them.
 """
 from __future__ import annotations
 
@@ -63,7 +76,9 @@ from harness.bridge.preflight import (  # noqa: F401  (re-exported: the rank-sid
     SUPPORTED_MODEL_TYPES,
     RopeSettings,
     UnsupportedModelError,
+    MOE_TRAINING_SETTINGS,
     check_hf_config,
+    num_experts,
     rope_settings,
 )
 from harness.bridge.versions import (
@@ -79,6 +94,13 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOCAL_NORM = re.compile(r"decoder\.layers\.(\d+)\.(input_layernorm|pre_mlp_layernorm)\.weight")
 _LOCAL_NORM_TO_HF = {"input_layernorm": "input_layernorm",
                      "pre_mlp_layernorm": "post_attention_layernorm"}
+# mbridge's MoE bridges turn on fusions whose kernels the local spec lacks (TE/Apex): off, as
+# megatron-core defaults them and as the dense bridges leave them.
+_MOE_LOCAL_FUSIONS_OFF = {name: False for name in (
+    "persist_layer_norm", "bias_activation_fusion", "bias_dropout_fusion", "moe_permute_fusion",
+    "gradient_accumulation_fusion")}
+# SequentialMLP's experts (the local spec) -> TEGroupedMLP's names, which mbridge maps (override 8).
+_LOCAL_EXPERT = re.compile(r"(.*\.mlp\.experts)\.local_experts\.(\d+)\.(linear_fc[12])\.weight")
 
 
 class HarnessBridgeMixin:
@@ -96,7 +118,14 @@ class HarnessBridgeMixin:
             "fp16": dtype is torch.float16,
             "masked_softmax_fusion": spec == "te" or fused_softmax_kernels_available(),
         }
+        self.harness_sequential_experts = spec == "local" and num_experts(hf_config) > 0
         super().__init__(hf_config, **kwargs)
+        if num_experts(hf_config):  # as on the other bridge (preflight.MOE_TRAINING_SETTINGS)
+            self.set_extra_args(**MOE_TRAINING_SETTINGS)
+        if self.harness_sequential_experts:  # override 8 (set_extra_args: after mbridge's own)
+            self.set_extra_args(moe_grouped_gemm=False, **_MOE_LOCAL_FUSIONS_OFF)
+        if hf_config.model_type == "mixtral":  # override 7
+            self.set_extra_args(moe_router_pre_softmax=False)
 
     def _build_base_config(self, text_config_key: Optional[str] = None, **kwargs: Any):
         # Ours go in as keyword overrides, so mbridge's set_extra_args (applied last) still wins.
@@ -114,6 +143,41 @@ class HarnessBridgeMixin:
             layer, norm = match.groups()
             return [f"model.layers.{layer}.{_LOCAL_NORM_TO_HF[norm]}.weight"]
         return super()._weight_name_mapping_mcore_to_hf(mcore_weights_name)
+
+    def _weight_name_mapping_mcore_local_to_global(self, model, consider_ep: bool = True) -> dict[str, str]:
+        if not self.harness_sequential_experts:
+            return super()._weight_name_mapping_mcore_local_to_global(model, consider_ep=consider_ep)
+        names = super()._weight_name_mapping_mcore_local_to_global(model, consider_ep=False)
+        per_rank = self.config.num_moe_experts // self.mpu.ep_size
+        offset = per_rank * self.mpu.ep_rank if consider_ep else 0
+        for local, name in names.items():  # override 8
+            match = _LOCAL_EXPERT.fullmatch(name)
+            if match:
+                prefix, expert, linear = match.groups()
+                names[local] = f"{prefix}.{linear}.weight{int(expert) + offset}"
+        return names
+
+    def load_weights(self, models: list[torch.nn.Module], weights_path: str, memory_efficient: bool = False) -> None:
+        if not self.harness_sequential_experts:
+            return super().load_weights(models, weights_path, memory_efficient)
+        io = self._get_safetensor_io(weights_path)  # override 8: each rank reads and keeps its shard
+        for model in models:
+            state = model.state_dict()
+            for local, name in self._weight_name_mapping_mcore_local_to_global(model).items():
+                if "_extra_state" in local:
+                    continue
+                full = self._weight_to_mcore_format(
+                    name, [io.load_one_hf_weight(hf) for hf in self._weight_name_mapping_mcore_to_hf(name)])
+                param = state[local]
+                size, rank = ((self.mpu.etp_size, self.mpu.etp_rank) if ".mlp.experts.linear_fc" in name
+                              else (self.mpu.tp_size, self.mpu.tp_rank))
+                shard = list(self._weight_split_across_tp(name, full, param, size))[rank]
+                if shard.shape != param.shape:
+                    raise RuntimeError(f"{name}: the checkpoint's shard {tuple(shard.shape)} does not fit "
+                                       f"{local} {tuple(param.shape)}")
+                with torch.no_grad():
+                    param.copy_(shard.to(param.dtype))
+        return None
 
     def _get_gptmodel_args(self) -> dict:
         rope = rope_settings(self.hf_config)  # override 4
@@ -198,6 +262,10 @@ def make_bridge(path: str | Path, *, dtype: torch.dtype = torch.float32,
 
     hf_config = AutoConfig.from_pretrained(path)
     check_hf_config(hf_config)
+    if num_experts(hf_config):
+        from harness.compat.megatron_core import define_te_general_gemm
+
+        define_te_general_gemm()
     cls = _harness_class(_MODEL_REGISTRY[hf_config.model_type])
     tp = parallel_state.get_tensor_model_parallel_world_size()
     bridge = cls(hf_config, spec=resolved, sequence_parallel=sequence_parallel, dtype=dtype,

@@ -7,7 +7,13 @@ bridge repeats `check_hf_config` and checks the tensors it really uses inside ea
 guard (`harness.bridge.mbridge_compat.make_bridge`, `harness.bridge.load`).
 
 What is refused, and why each would otherwise go wrong without an error:
-- model types other than llama/qwen2/qwen3 (only their mappings are checked against HF);
+- model types other than llama/qwen2/qwen3 and the MoE qwen3_moe/mixtral (only their mappings are
+  checked against HF);
+- MoE features the bridges do not build: dense layers between sparse ones (Qwen3-MoE
+  `mlp_only_layers`, `decoder_sparse_step` != 1), top-k probabilities left unnormalised (Qwen3-MoE
+  `norm_topk_prob=False`: Megatron's softmax router renormalises over the top k), router jitter
+  noise (Mixtral `router_jitter_noise`: random routing in training), HF's load-balancing loss
+  (`output_router_logits=True`: not megatron-core's per-layer aux loss);
 - hidden_act other than silu (mbridge always builds SwiGLU);
 - sliding-window attention (Megatron's local spec attends to the full causal context);
 - RoPE types other than default and llama3, and partial rotary (mbridge maps neither);
@@ -27,7 +33,11 @@ from typing import Any, Mapping
 
 from transformers import AutoConfig, PretrainedConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
+# What each bridge converts: Megatron-Bridge 0.6.2 has no Mixtral bridge ("Model architecture
+# 'MixtralForCausalLM' is not yet supported").
+BRIDGE_MODEL_TYPES = {"mbridge": SUPPORTED_MODEL_TYPES, "megatron-bridge": ("llama", "qwen2", "qwen3", "qwen3_moe")}
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # HF checkpoints sometimes carry tensors that are not model weights.
@@ -89,7 +99,7 @@ def _llama3_values(params: Mapping[str, Any]) -> dict[str, float]:
 def _unsupported_biases(hf_config: PretrainedConfig) -> list[str]:
     model_type = hf_config.model_type
     found = []
-    if model_type in ("llama", "qwen3") and getattr(hf_config, "attention_bias", False):
+    if model_type != "qwen2" and getattr(hf_config, "attention_bias", False):
         what = "o_proj" if model_type == "llama" else "q/k/v/o_proj"
         found.append(f"attention_bias=True ({what} biases: Megatron's layers here have none)")
     if model_type == "llama" and getattr(hf_config, "mlp_bias", False):
@@ -97,11 +107,50 @@ def _unsupported_biases(hf_config: PretrainedConfig) -> list[str]:
     return found
 
 
+def _unsupported_moe(hf_config: PretrainedConfig) -> list[str]:
+    found = []
+    if hf_config.model_type == "qwen3_moe":
+        if getattr(hf_config, "mlp_only_layers", None) or getattr(hf_config, "decoder_sparse_step", 1) != 1:
+            found.append(f"dense layers between the sparse ones (mlp_only_layers={hf_config.mlp_only_layers}, "
+                         f"decoder_sparse_step={hf_config.decoder_sparse_step}): the bridges build every layer sparse")
+        if not getattr(hf_config, "norm_topk_prob", True):
+            found.append("norm_topk_prob=False: Megatron's softmax router renormalises the top-k probabilities")
+    if getattr(hf_config, "output_router_logits", False):
+        found.append("output_router_logits=True (HF trains with its load-balancing loss over every layer at "
+                     "once; megatron-core's aux loss is per layer, another loss: the harness trains MoE models "
+                     "without one, MOE_TRAINING_SETTINGS)")
+    if hf_config.model_type == "mixtral" and getattr(hf_config, "router_jitter_noise", 0.0):
+        found.append(f"router_jitter_noise={hf_config.router_jitter_noise}: Megatron's router adds no jitter")
+    return found
+
+
+# What both bridges set on a MoE model, whatever they default to (mbridge: no load balancing;
+# Megatron-Bridge's Qwen3-MoE provider: an aux loss of 0.001, which moved the trained weights 1.8e-3
+# off HF's): what HF trains with when `output_router_logits` is off, no load-balancing loss.
+MOE_TRAINING_SETTINGS = {"moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": None}
+
+
+def num_experts(hf_config: PretrainedConfig) -> int:
+    """The routed experts of a MoE config (0 for a dense one)."""
+    return int(getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None) or 0) \
+        if hf_config.model_type in MOE_MODEL_TYPES else 0
+
+
 def _check_model_type(model_type: str | None) -> None:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
             f"model_type {model_type!r} is not supported by the harness bridge "
             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    from harness.bridge.backends import BridgeChoiceError, current
+
+    try:
+        bridge = current()
+    except BridgeChoiceError:  # no bridge here at all: the rank side says so when it builds
+        return
+    if model_type not in BRIDGE_MODEL_TYPES[bridge]:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported by the {bridge} bridge "
+            f"(it converts: {', '.join(BRIDGE_MODEL_TYPES[bridge])})")
 
 
 def check_hf_config(hf_config: PretrainedConfig) -> RopeSettings:
@@ -118,6 +167,9 @@ def check_hf_config(hf_config: PretrainedConfig) -> RopeSettings:
     biases = _unsupported_biases(hf_config)
     if biases:
         raise UnsupportedModelError(f"{model_type}: {'; '.join(biases)}")
+    moe = _unsupported_moe(hf_config)
+    if moe:
+        raise UnsupportedModelError(f"{model_type}: {'; '.join(moe)}")
     return rope_settings(hf_config)
 
 
@@ -127,11 +179,19 @@ def expected_tensor_names(hf_config: PretrainedConfig) -> set[str]:
     if not getattr(hf_config, "tie_word_embeddings", False):
         names.add("lm_head.weight")
     per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight",
-                 *(f"self_attn.{p}_proj.weight" for p in "qkvo"),
-                 *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down"))]
+                 *(f"self_attn.{p}_proj.weight" for p in "qkvo")]
+    experts = range(num_experts(hf_config))
+    if hf_config.model_type == "qwen3_moe":
+        per_layer += ["mlp.gate.weight",
+                      *(f"mlp.experts.{e}.{p}_proj.weight" for e in experts for p in ("gate", "up", "down"))]
+    elif hf_config.model_type == "mixtral":
+        per_layer += ["block_sparse_moe.gate.weight",
+                      *(f"block_sparse_moe.experts.{e}.w{i}.weight" for e in experts for i in (1, 2, 3))]
+    else:
+        per_layer += [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
     if hf_config.model_type == "qwen2":
         per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
-    if hf_config.model_type == "qwen3":
+    if hf_config.model_type in ("qwen3", "qwen3_moe"):
         per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
     for layer in range(hf_config.num_hidden_layers):
         names.update(f"model.layers.{layer}.{name}" for name in per_layer)

@@ -116,7 +116,7 @@ def check_format_readable(directory: str | os.PathLike, manifest: Manifest) -> N
 
 
 def _same_model_parallelism(a, b) -> bool:
-    return (a.tp, a.pp, a.vpp, a.cp, a.ep) == (b.tp, b.pp, b.vpp, b.cp, b.ep)
+    return (a.tp, a.pp, a.vpp, a.cp, a.ep, a.expert_tp) == (b.tp, b.pp, b.vpp, b.cp, b.ep, b.expert_tp)
 
 
 def check_loadable(policy, directory: str | os.PathLike, *, load_rng: bool | None = None,

@@ -340,3 +340,22 @@ def torch_pickling() -> Iterator[None]:
         yield
     finally:
         storage._load_from_bytes = current
+
+
+# megatron-core 0.16.1's moe_utils imports `te_general_gemm` inside `try: import transformer_engine`
+# and never defines the name otherwise; RouterGatingLinearFunction.forward tests `te_general_gemm is
+# not None`, so every MoE router forward without Transformer Engine raises NameError (CPU, or a GPU
+# without TE). 0.19.2 defines it as None. We define it as None: the torch GEMM path.
+MOE_TE_GEMM_UNDEFINED = Workaround(
+    "moe-te-general-gemm-undefined", "moe_utils.te_general_gemm is undefined without Transformer Engine: "
+    "every MoE router forward raises NameError", ("0.16.1",))
+
+
+def define_te_general_gemm() -> None:
+    """Give megatron-core's MoE router its torch path where TE is absent (no-op where defined)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if hasattr(moe_utils, "te_general_gemm"):
+        return
+    require(MOE_TE_GEMM_UNDEFINED)
+    moe_utils.te_general_gemm = None

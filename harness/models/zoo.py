@@ -10,6 +10,11 @@ weights, for GPU runs.
 Naming: `<family>` is untied, `<family>-tied` ties lm_head to embed_tokens. `tiny-llama3` is
 `tiny-llama` with Llama-3 RoPE scaling whose original window (32) is shorter than its 128 positions;
 `tiny-qwen3-hd32` has head_dim 32, the smallest that vLLM's CPU attention runs.
+
+Mixture-of-Experts: `tiny-qwen3-moe` (Qwen3-MoE: 4 experts of width 32, top-2, softmax router with
+the top-k probabilities renormalised) and `tiny-mixtral` (Mixtral: 4 experts of width 128, top-2,
+softmax over the top-k logits), every layer sparse. 4 experts allow ep 1/2/4; the expert widths
+split over etp 1/2/4.
 """
 from __future__ import annotations
 
@@ -24,10 +29,12 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     LlamaConfig,
+    MixtralConfig,
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 from transformers.initialization import no_init_weights
 
@@ -55,6 +62,16 @@ _TINY_SHAPE: dict[str, Any] = dict(
     pad_token_id=0,
     bos_token_id=1,
     eos_token_id=2,
+)
+
+# Mixture-of-Experts on the tiny shape: 4 experts (ep 1/2/4), top-2, every layer sparse.
+_TINY_QWEN3_MOE: dict[str, Any] = dict(
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+    decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
+)
+_TINY_MIXTRAL: dict[str, Any] = dict(
+    num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0, sliding_window=None,
+    output_router_logits=False,
 )
 
 # Llama-3.x RoPE scaling (`rope_type: llama3`), scaled down to the tiny shape: Llama 3.1 has an
@@ -151,6 +168,19 @@ def _build_zoo() -> dict[str, ZooModel]:
                     f"vocab {TINY_VOCAB_SIZE}",
     ))
     entries.append(ZooModel(
+        name="tiny-qwen3-moe",
+        config_class=Qwen3MoeConfig,
+        config_kwargs={**_TINY_SHAPE, **_TINY_QWEN3_MOE, "tie_word_embeddings": False},
+        description="tiny Qwen3-MoE (QK-norm; 4 experts of width 32, top-2, normalised top-k), untied lm_head, "
+                    f"vocab {TINY_VOCAB_SIZE}",
+    ))
+    entries.append(ZooModel(
+        name="tiny-mixtral",
+        config_class=MixtralConfig,
+        config_kwargs={**_TINY_SHAPE, **_TINY_MIXTRAL, "tie_word_embeddings": False},
+        description=f"tiny Mixtral (4 experts of width 128, top-2), untied lm_head, vocab {TINY_VOCAB_SIZE}",
+    ))
+    entries.append(ZooModel(
         name="qwen3-0.6b-shape",
         config_class=Qwen3Config,
         config_kwargs=_QWEN3_0P6B_SHAPE,
@@ -206,3 +236,14 @@ def build_hf_model(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.f
     # Random values are drawn in float32 whatever `dtype` is, so a bf16 model is the rounded fp32 one.
     randomize_weights(model, seed)
     return model.to(dtype).eval()
+
+
+def checkpoint_state_dict(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """`model`'s weights under the names its checkpoint stores (detached copies): transformers 5 holds a
+    MoE layer's experts fused (`mlp.experts.gate_up_proj` [experts, 2 x width, hidden]) and writes them
+    per expert (`mlp.experts.<e>.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.<e>.w1.weight`),
+    which is what the bridges read and export. Dense models: their state dict as it is."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    return dict(revert_weight_conversion(model, state))

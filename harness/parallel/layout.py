@@ -8,19 +8,22 @@ A :class:`Layout` names the Megatron-Core parallel dimensions of one run:
   non-interleaved schedule
 * ``cp``  context parallel size
 * ``ep``  expert parallel size
+* ``etp`` expert tensor parallel size (the experts' own tp), or ``None`` for
+  Megatron's default, the dense tp; an ``etp`` equal to ``tp`` is that default
 * ``dp``  data parallel size
 * ``sequence_parallel`` (``sp``) Megatron sequence parallelism, which lives
   inside the tp group
 
-World size is ``tp * pp * cp * dp``.  ``ep`` does *not* multiply it: Megatron
-carves the expert-parallel group out of the data*context ranks (with the default
-expert tensor parallel size = tp), so ``ep`` must divide ``dp * cp``.
+World size is ``tp * pp * cp * dp``.  ``ep`` and ``etp`` do *not* multiply it:
+Megatron lays the experts over the same ``tp * cp * dp`` ranks of each pipeline
+stage as ``etp * ep * expert-dp``, so ``etp * ep`` must divide ``tp * cp * dp``
+(with the default ``etp = tp``: ``ep`` divides ``dp * cp``).
 
 Text grammar (``parse_layout``), case-insensitive::
 
     layout := part (sep? part)*
     part   := dim SIZE | flag
-    dim    := "tp" | "pp" | "vpp" | "cp" | "ep" | "dp"
+    dim    := "tp" | "pp" | "vpp" | "cp" | "ep" | "etp" | "dp"
     SIZE   := positive decimal integer
     flag   := "sp" | "sequence_parallel" | "sequence-parallel"
     sep    := any run of "-", "_" or whitespace, optionally containing one "x"
@@ -33,8 +36,8 @@ a list (``parse_layout_list("tp1,tp2,pp2")``), which is how layouts are passed o
 command lines and in environment variables.
 
 Canonical names (``Layout.name``) concatenate the non-1 dims in the order
-tp, pp, vpp, cp, ep, dp and append ``-sp`` for sequence parallelism, e.g.
-``tp2pp2dp2``, ``pp2vpp2``, ``tp2dp2-sp``; the all-ones layout is ``tp1``.
+tp, pp, vpp, cp, ep, etp, dp and append ``-sp`` for sequence parallelism, e.g.
+``tp2pp2dp2``, ``pp2vpp2``, ``tp2dp2-sp``, ``tp2ep2etp1``; the all-ones layout is ``tp1``.
 ``parse_layout(layout.name) == layout`` for every valid layout.
 
 Data parallelism is derived, never chosen, in Megatron
@@ -64,10 +67,10 @@ __all__ = [
 ]
 
 # Order of dims in canonical names; vpp sits next to the pp it refines.
-_NAME_ORDER = ("tp", "pp", "vpp", "cp", "ep", "dp")
+_NAME_ORDER = ("tp", "pp", "vpp", "cp", "ep", "etp", "dp")
 
 GRAMMAR = (
-    "accepted grammar: parts '<dim><size>' with dim one of tp|pp|vpp|cp|ep|dp and "
+    "accepted grammar: parts '<dim><size>' with dim one of tp|pp|vpp|cp|ep|etp|dp and "
     "size a positive integer, plus the flag sp|sequence_parallel; parts may be joined "
     "directly or by '-', '_', whitespace or 'x', case-insensitive "
     "(e.g. 'tp2pp2', 'TP2_DP2_SP', 'pp2vpp2'); ',' separates layouts in a list"
@@ -102,11 +105,19 @@ class Layout:
     ep: int = 1
     vpp: Optional[int] = None
     sequence_parallel: bool = False
+    etp: Optional[int] = None  # None: Megatron's default, tp
 
     def __post_init__(self) -> None:
         problems = self._field_problems()
         if problems:
             raise _FieldError(problems)
+        if self.etp == self.tp:  # the default spelled out: one layout, one name
+            object.__setattr__(self, "etp", None)
+
+    @property
+    def expert_tp(self) -> int:
+        """The experts' tensor parallel size (etp, or tp by default)."""
+        return self.tp if self.etp is None else self.etp
 
     def _field_problems(self) -> list[str]:
         problems = [
@@ -114,6 +125,8 @@ class Layout:
             for dim in ("tp", "pp", "dp", "cp", "ep")
             if not _is_positive_int(getattr(self, dim))
         ]
+        if self.etp is not None and not _is_positive_int(self.etp):
+            problems.append(f"etp={self.etp!r} must be None or a positive integer")
         if self.vpp is not None:
             if not _is_positive_int(self.vpp):
                 problems.append(f"vpp={self.vpp!r} must be None or a positive integer")
@@ -157,11 +170,12 @@ class Layout:
     @property
     def name(self) -> str:
         """Canonical name, e.g. 'tp2pp2dp2', 'pp2vpp2', 'tp2dp2-sp'; all ones is 'tp1'."""
-        # vpp=1 (single-chunk interleaving) is a real setting, so vpp keeps its 1.
+        # vpp=1 (single-chunk interleaving) is a real setting, and an etp that is given differs
+        # from tp: both keep their 1.
         parts = [
             f"{dim}{value}"
             for dim in _NAME_ORDER
-            if (value := getattr(self, dim)) is not None and (value != 1 or dim == "vpp")
+            if (value := getattr(self, dim)) is not None and (value != 1 or dim in ("vpp", "etp"))
         ]
         base = "".join(parts) or "tp1"
         return base + "-sp" if self.sequence_parallel else base
@@ -198,6 +212,7 @@ class Layout:
             "virtual_pipeline_model_parallel_size": self.vpp,
             "context_parallel_size": self.cp,
             "expert_model_parallel_size": self.ep,
+            "expert_tensor_parallel_size": self.etp,
         }
 
     def config_kwargs(self) -> dict[str, Any]:
@@ -210,7 +225,7 @@ class Layout:
 # One part at the current position; no dim name is a prefix of another, so order is free.
 _PART = re.compile(
     r"(?P<flag>sequence[-_]?parallel|sp)"
-    r"|(?P<dim>vpp|tp|pp|dp|cp|ep)(?P<size>\d+)"
+    r"|(?P<dim>vpp|etp|tp|pp|dp|cp|ep)(?P<size>\d+)"
 )
 # Separator between parts: '-', '_', whitespace, with at most one 'x' that must
 # be followed by another part (so a trailing or leading 'x' is an unknown token).
@@ -327,6 +342,9 @@ def _model_problems(layout: Layout, model: Any) -> list[str]:
     layers = _model_attr(model, "num_layers", "num_hidden_layers")
     ffn = _model_attr(model, "ffn_hidden_size", "intermediate_size")
     experts = _model_attr(model, "num_moe_experts", "num_experts", "num_local_experts", "n_routed_experts")
+    expert_ffn = _model_attr(model, "moe_ffn_hidden_size", "moe_intermediate_size")
+    if experts and expert_ffn is None:  # Mixtral's experts are intermediate_size wide
+        expert_ffn = ffn
 
     # Attention heads and KV groups are split whole across tp ranks.
     if heads is not None and heads % layout.tp:
@@ -346,6 +364,15 @@ def _model_problems(layout: Layout, model: Any) -> list[str]:
             problems.append(f"ep={layout.ep} requires a MoE model, but the model has no experts")
         elif experts % layout.ep:
             problems.append(f"ep={layout.ep} does not divide num_moe_experts={experts}")
+    # megatron-core's MoELayer refuses a training forward with tp > 1 and no sequence parallelism.
+    if experts and layout.tp > 1 and not layout.sequence_parallel:
+        problems.append(f"tp={layout.tp} with experts needs sequence parallelism (add 'sp'): megatron-core's "
+                        "MoE layer refuses to train without it")
+    if layout.etp is not None and not experts:
+        problems.append(f"etp={layout.etp} requires a MoE model, but the model has no experts")
+    # The experts' linear layers split their width over etp as the dense ones do over tp.
+    if experts and expert_ffn is not None and expert_ffn % layout.expert_tp:
+        problems.append(f"etp={layout.expert_tp} does not divide the expert ffn_hidden_size={expert_ffn}")
     return problems
 
 
@@ -358,10 +385,14 @@ def _layout_problems(layout: Layout, world_size: int) -> list[str]:
         problems.append(
             f"tp*pp*cp*dp = {layout.world_size} != world size {world_size}{hint}"
         )
-    # Megatron builds expert groups from the dp*cp ranks of each tp*pp slice.
-    if (layout.dp * layout.cp) % layout.ep:
+    # Megatron lays etp*ep*expert-dp over the tp*cp*dp ranks of each pipeline stage.
+    if layout.etp is None and (layout.dp * layout.cp) % layout.ep:
         problems.append(
             f"ep={layout.ep} does not divide dp*cp = {layout.dp * layout.cp}"
+        )
+    elif layout.etp is not None and (layout.tp * layout.dp * layout.cp) % (layout.etp * layout.ep):
+        problems.append(
+            f"etp*ep = {layout.etp}*{layout.ep} does not divide tp*dp*cp = {layout.tp * layout.dp * layout.cp}"
         )
     return problems
 
@@ -369,9 +400,9 @@ def _layout_problems(layout: Layout, world_size: int) -> list[str]:
 def validate(layout: Layout, world_size: int, model: Any = None) -> Layout:
     """Raise LayoutError listing every problem (one per line); return layout if valid.
 
-    Checks tp*pp*cp*dp == world_size and ep | dp*cp; with a model config (Megatron
-    or HF attribute names) also heads, query groups and ffn width vs tp, layers vs
-    pp*vpp, and experts vs ep.  dp is taken as given: call resolve() first to fill it.
+    Checks tp*pp*cp*dp == world_size and etp*ep | tp*dp*cp; with a model config
+    (Megatron or HF attribute names) also heads, query groups and ffn width vs tp,
+    layers vs pp*vpp, experts vs ep, and the expert ffn width vs etp.  dp is taken as given: call resolve() first to fill it.
     """
     if not _is_positive_int(world_size):
         raise LayoutError(f"world size must be a positive integer, got {world_size!r}")
@@ -420,7 +451,8 @@ def _variants(base: Layout, allow_sp: bool, vpps: list[Optional[int]], with_ep: 
 
 
 def _sort_key(layout: Layout) -> tuple:
-    return (layout.tp, layout.pp, layout.vpp or 0, layout.cp, layout.ep, layout.dp, layout.sequence_parallel)
+    return (layout.tp, layout.pp, layout.vpp or 0, layout.cp, layout.ep, layout.etp or 0, layout.dp,
+            layout.sequence_parallel)
 
 
 def enumerate_layouts(

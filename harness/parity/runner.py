@@ -52,6 +52,7 @@ class ParityCase:
     reference: str = "arranged"  # HF rounding like Megatron (harness.logprobs.arithmetic), or "plain" eager
     fp32_eval: bool | None = None  # also evaluate the bf16 model's state in fp32 (module docstring);
     # None: where the bf16 arithmetic is in the approximate regime
+    dispatcher: str | None = None  # a MoE model's token dispatcher (harness.bridge.load.DISPATCHERS); None: the bridge's
 
 
 REFERENCES = ("arranged", "plain")
@@ -129,21 +130,22 @@ def _hf_reference(path: str, dtype: torch.dtype, batch: RLBatch, arranged_tp: in
 
 def _rank_parity(layout: Layout, path: str, dtype: torch.dtype, batch: RLBatch, micro_batches: int,
                  variant: str | None, packing: str, norm_precision: str, want_hf: bool,
-                 arranged: tuple[int, int] | None, fp32_eval: bool):
+                 arranged: tuple[int, int] | None, fp32_eval: bool, dispatcher: str | None = None):
     import torch.distributed as dist
 
     from harness.bridge import load_megatron_model
     from harness.logprobs.megatron import megatron_logprobs
 
+    overrides = {"moe_token_dispatcher_type": dispatcher} if dispatcher else None
     models = load_megatron_model(path, dtype=dtype, sequence_parallel=layout.sequence_parallel,
-                                 norm_precision=norm_precision)
+                                 norm_precision=norm_precision, config_overrides=overrides)
     apply_variant(variant, models)
     with torch.no_grad():
         result = megatron_logprobs(models, batch, micro_batches=micro_batches, packing=packing)
     evaluated = None
     if fp32_eval:
         shadow = load_megatron_model(path, dtype=torch.float32, sequence_parallel=layout.sequence_parallel,
-                                     norm_precision=norm_precision)
+                                     norm_precision=norm_precision, config_overrides=overrides)
         copy_state(models, shadow)
         del models
         with torch.no_grad():
@@ -215,6 +217,13 @@ def run_parity(world, case: ParityCase, *, device: str | None = None, batch: RLB
     layout = resolve(layout, world.size)
     path, config = prepare_model(case.model, cache_dir)
     validate(layout, world.size, config)
+    from harness.bridge.preflight import num_experts
+
+    if num_experts(config) and case.reference == "arranged":
+        raise ValueError(f"{case.model}: the arranged reference reproduces dense MLPs' rounding only; a MoE "
+                         "model is compared with reference='plain' (the fp32 bounds hold in either regime)")
+    if case.dispatcher is not None and not num_experts(config):
+        raise ValueError(f"{case.model} has no experts: a token dispatcher applies to MoE models only")
     check_variant(case.variant, layout, config)
     batch = batch if batch is not None else standard_parity_batch(config.vocab_size, seed=case.batch_seed)
     batch.validate(config.vocab_size)
@@ -236,7 +245,7 @@ def run_parity(world, case: ParityCase, *, device: str | None = None, batch: RLB
     want_hf = cached[0] is None or (fp32_eval and cached[1] is None)
     results = run_in_layout(
         world, layout, _rank_parity, str(path), DTYPES[case.dtype], batch, micro, case.variant,
-        packing, norm_precision, want_hf, arranged, fp32_eval,
+        packing, norm_precision, want_hf, arranged, fp32_eval, case.dispatcher,
     )
     from harness.logprobs.megatron import assemble
 
@@ -270,7 +279,8 @@ def _batch_key(batch: RLBatch) -> int:
 def _rows(result: ParityResult, suite: str, test: str, model: str) -> list[Row]:
     extra = {"variant": result.case.variant, "packing": result.case.packing,
              "tokens": result.metrics.get("tokens"), "regime": result.regime,
-             "reference": result.case.reference, "norm_precision": result.norm_precision}
+             "reference": result.case.reference, "norm_precision": result.norm_precision,
+             **({"dispatcher": result.case.dispatcher} if result.case.dispatcher else {})}
     return [
         Row(suite=suite, test=test, layout=result.layout.name, metric=metric, value=float(value),
             tolerance=tol.limit, passed=bool(ok), claim=tol.claim, model=model, dtype=result.case.dtype,

@@ -138,7 +138,72 @@ def _drop_rope_scaling(models) -> None:
     RotaryEmbedding.forward.cache_clear()  # freqs are memoized per (module, length)
 
 
+def _moe_layers(models, what: str):
+    """Every MoE layer (its MoELayer) on this rank; VariantError on a dense model."""
+    from harness.bridge import unwrap_model
+
+    layers = [layer.mlp for chunk in unwrap_model(list(models)) for layer in chunk.decoder.layers
+              if hasattr(getattr(layer, "mlp", None), "router")]
+    if not layers:
+        raise VariantError(f"variant {what!r} needs a Mixture-of-Experts model")
+    return layers
+
+
+@torch.no_grad()
+def _swap_experts(models) -> None:
+    """Global experts 0 and 1 of every MoE layer swapped (both sit on expert-parallel rank 0)."""
+    from megatron.core import parallel_state
+
+    for moe in _moe_layers(models, "swapped-experts"):
+        local = getattr(moe.experts, "local_experts", None)
+        if local is None or len(local) < 2:
+            raise VariantError("variant 'swapped-experts' needs SequentialMLP experts (the local spec), "
+                               "two on a rank")
+        if parallel_state.get_expert_model_parallel_rank() == 0:
+            for first, second in zip(local[0].parameters(), local[1].parameters(), strict=True):
+                kept = first.clone()
+                first.copy_(second)
+                second.copy_(kept)
+
+
+def _router_in_bf16(models) -> None:
+    for moe in _moe_layers(models, "router-in-bf16"):
+        router = moe.router
+        if router.bias is not None or router.weight.dtype != torch.float32:
+            raise VariantError("variant 'router-in-bf16' needs an fp32 router without bias")
+
+        def gating(hidden, router=router):  # the logits in bf16, handed on in the run's dtype
+            return torch.nn.functional.linear(hidden.to(torch.bfloat16), router.weight.to(torch.bfloat16)).to(hidden.dtype)
+        router.gating = gating
+
+
+def _topk_off_by_one(models) -> None:
+    configs = {}
+    for moe in _moe_layers(models, "topk-off-by-one"):
+        if moe.router.topk < 2:
+            raise VariantError("variant 'topk-off-by-one' needs top-k >= 2")
+        moe.router.topk -= 1
+        if hasattr(moe.token_dispatcher, "router_topk"):
+            moe.token_dispatcher.router_topk -= 1
+        configs[id(moe.config)] = moe.config  # one config object may serve every layer
+    for config in configs.values():  # the dispatchers size their buffers from it
+        config.moe_router_topk -= 1
+
+
+def _mixtral_pre_softmax(models) -> None:
+    from harness.bridge import hf_config
+
+    if hf_config(models).model_type != "mixtral":
+        raise VariantError("variant 'mixtral-pre-softmax' is mbridge's Mixtral routing: it needs a Mixtral model")
+    for moe in _moe_layers(models, "mixtral-pre-softmax"):
+        moe.config.moe_router_pre_softmax = True  # read at every forward
+
+
 IMPLEMENTED: dict[str, Callable] = {
+    "swapped-experts": _swap_experts,
+    "router-in-bf16": _router_in_bf16,
+    "topk-off-by-one": _topk_off_by_one,
+    "mixtral-pre-softmax": _mixtral_pre_softmax,
     "swapped-gate-up": _swap_gate_up,
     "wrong-rope-base": _wrong_rope_base,
     "scaled-norm": _scale_norm,

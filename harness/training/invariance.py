@@ -43,6 +43,7 @@ def ground_truth(model: str = MODEL):
     """(batches, ground-truth step results, HF state dict after the steps): once per process."""
     from harness.logprobs import hf_logprobs
     from harness.models import build_hf_model, load_hf_config, resolve_model
+    from harness.models.zoo import checkpoint_state_dict
     from harness.training.ground_truth import GroundTruthTrainer
     from harness.training.rl_data import make_rl_train_batch
 
@@ -55,8 +56,7 @@ def ground_truth(model: str = MODEL):
         tb = tb.with_old_logprobs(hf_logprobs(hf, tb.batch) + 0.02 * tb.advantages.sign())
     trainer = GroundTruthTrainer(hf, **OPTIM, **LOSS)
     results = [trainer.step(tb, micro_batches=2) for _ in range(STEPS)]
-    state = {n: p.detach().clone() for n, p in hf.state_dict().items()}
-    return [tb] * STEPS, results, state
+    return [tb] * STEPS, results, checkpoint_state_dict(hf)  # the names the policy exports
 
 
 @dataclass

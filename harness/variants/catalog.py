@@ -421,7 +421,54 @@ _FP8: tuple[Variant, ...] = (
             options=(("recipe", "delayed"),)),
 )
 
-_ENTRIES = _ENTRIES + _ROTATION + _OFFLOAD + _SYNC + _FP8
+# Mixture-of-Experts variants of the bridge, shown by logprob parity (the plain eager reference: the
+# arranged one reproduces dense MLPs' rounding only; fp32, where a routing error stands out).
+def _needs_experts(layout, config) -> str | None:
+    from harness.bridge.preflight import num_experts
+
+    return None if config is None or num_experts(config) else "needs a Mixture-of-Experts model"
+
+
+def _needs_two_experts_on_a_rank(layout, config) -> str | None:
+    from harness.bridge.preflight import num_experts
+
+    if config is not None and num_experts(config) // layout.ep < 2:
+        return "needs two experts on one rank (experts / ep >= 2) to swap"
+    return _needs_experts(layout, config)
+
+
+_MOE_PARITY = (("reference", "plain"), ("dispatcher", "alltoall"))
+_MOE: tuple[Variant, ...] = (
+    Variant("swapped-experts", "bridge", "negative-control",
+            "experts 0 and 1 of every MoE layer swapped (a converter that orders experts wrongly, e.g. by "
+            "an expert-parallel rank's local id instead of the global one)",
+            "logprobs off wherever a token routes to either expert; the model still runs",
+            "logprob parity vs HF: every metric", requires=_needs_two_experts_on_a_rank, default_layout="dp2",
+            model="tiny-qwen3-moe", dtypes=("fp32",), specs=("local",), options=_MOE_PARITY),
+    Variant("router-in-bf16", "bridge", "negative-control",
+            "an fp32 run's router logits computed in bf16 (a router not kept in fp32; NeMo-RL computes it "
+            "in fp64)",
+            "routing weights off by ~1e-3, tokens near a tie routed to another expert",
+            "logprob parity vs HF in fp32: max_abs, mean_abs", requires=_needs_experts, default_layout="dp2",
+            model="tiny-qwen3-moe", dtypes=("fp32",), specs=("local",), options=_MOE_PARITY),
+    Variant("topk-off-by-one", "bridge", "negative-control",
+            "each token routed to its top k-1 experts instead of the top k (a top-k read from the wrong "
+            "config field)",
+            "logprobs off on every token; the model still runs",
+            "logprob parity vs HF: every metric", requires=_needs_experts, default_layout="dp2",
+            model="tiny-qwen3-moe", dtypes=("fp32",), specs=("local",), options=_MOE_PARITY),
+    Variant("mixtral-pre-softmax", "bridge", "upstream-bug",
+            "Mixtral routed with a softmax over every expert before the top-k and no renormalisation "
+            "(moe_router_pre_softmax=True), where HF Mixtral renormalises the top-k probabilities",
+            "every routing weight too small (the top-k's share of the full softmax): logprobs ~0.3 off",
+            "logprob parity vs HF: every metric",
+            upstream="mbridge 0.15.1 MixtralBridge._build_config (found by this harness; worked around in "
+                     "harness.bridge.mbridge_compat, override 7)",
+            requires=_needs_experts, default_layout="dp2", model="tiny-mixtral", dtypes=("fp32",),
+            specs=("local",), options=_MOE_PARITY),
+)
+
+_ENTRIES = _ENTRIES + _ROTATION + _OFFLOAD + _SYNC + _FP8 + _MOE
 
 CATALOG: dict[str, Variant] = {v.id: v for v in _ENTRIES}
 

@@ -122,7 +122,7 @@ def _parity(variant: Variant, layout: str, dtype: str, runner: Runner) -> tuple[
 
     def run(variant_id):
         world = runner.world_for(size, env=dict(variant.world_env)) if variant_id else runner.world_for(size)
-        result = run_parity(world, ParityCase(variant.model, layout, dtype, variant=variant_id),
+        result = run_parity(world, ParityCase(variant.model, layout, dtype, variant=variant_id, **dict(variant.options)),
                             hf_cache=runner.hf_cache, suite="sensitivity")
         return Run(result.passed, list(result.checks), result.summary(), result.rows)
 
@@ -264,6 +264,12 @@ def preflight(variant_id: str, layout: str | None, dtype: str, world_size_limit:
         raise VariantError(f"variant {variant.id!r} cannot show here: {why_not_here}")
     layout = layout or variant.default_layout
     config = load_hf_config(_model(variant))
+    from harness.bridge.backends import current
+    from harness.bridge.preflight import BRIDGE_MODEL_TYPES
+
+    if config.model_type not in BRIDGE_MODEL_TYPES[current()]:
+        raise VariantError(f"variant {variant.id!r} shows on {_model(variant)}, which the {current()} bridge "
+                           "does not convert")
     names = _pair(layout) if variant.component == "checkpoint" else (layout,)
     if variant.pair_requires is not None:
         why_not = variant.pair_requires(*(parse_layout(name) for name in names))

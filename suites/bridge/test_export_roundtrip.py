@@ -2,7 +2,7 @@
 checkpoint's tensors, the same key set and every tensor `torch.equal` (in bf16: equal to the
 checkpoint's float32 weights rounded to bf16), for every tiny zoo model, under every layout.
 
-CI cost: the full matrix (8 tiny models x fp32/bf16 = 16 round trips) runs in CI at every layout,
+CI cost: the full matrix (10 tiny models, MoE ones included, x fp32/bf16 = 20 round trips) runs in CI at every layout,
 as ONE world call per layout that loads and exports all of them: 2 to 17 s per layout on 2 shared
 CPU cores (tp2pp2, 4 ranks, is the slowest), ~55 s for the 7 CPU layouts, plus the worlds' start-up
 where no earlier suite started them. `cuda="all"` adds every valid layout of the machine's GPUs.
@@ -19,7 +19,7 @@ from harness.parallel.layout import LayoutError, resolve, validate
 from harness.parallel.state import as_layout, run_in_layout
 
 TINY_MODELS = [name for name in list_models() if name.startswith("tiny-")]
-CPU_LAYOUTS = ["tp1", "tp2", "pp2", "dp2", "tp2-sp", "pp2vpp2", "tp2pp2"]
+CPU_LAYOUTS = ["tp1", "tp2", "pp2", "dp2", "tp2-sp", "pp2vpp2", "tp2pp2", "dp2ep2", "tp2ep2etp1-sp"]  # the last two: MoE models only
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -58,8 +58,14 @@ def _mismatches(result: dict) -> int:
 
 @pytest.mark.layouts(cpu=CPU_LAYOUTS, cuda="all")
 def test_export_gives_back_the_checkpoint_exactly(world, device, layout, report):
+    from harness.bridge.backends import current
+    from harness.bridge.preflight import BRIDGE_MODEL_TYPES
+
     valid, skipped = {}, {}
     for name in TINY_MODELS:
+        if load_hf_config(name).model_type not in BRIDGE_MODEL_TYPES[current()]:  # Mixtral on Megatron-Bridge
+            skipped[name] = f"the {current()} bridge does not convert it"
+            continue
         try:
             validate(resolve(as_layout(layout), world.size), world.size, load_hf_config(name))
         except LayoutError as exc:  # e.g. tp4 on a model with 2 query groups

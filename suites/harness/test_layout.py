@@ -412,7 +412,9 @@ def test_validate_ffn_width() -> None:
 def test_validate_moe_experts(attr: str) -> None:
     moe = types.SimpleNamespace(**vars(TINY), **{attr: 4})
     assert validate(Layout(ep=4, dp=4), 4, moe)
-    assert validate(Layout(tp=2, ep=2, dp=2), 4, moe)
+    assert validate(Layout(tp=2, ep=2, dp=2, sequence_parallel=True), 4, moe)
+    with pytest.raises(LayoutError, match="tp=2 with experts needs sequence parallelism"):
+        validate(Layout(tp=2, ep=2, dp=2), 4, moe)
     with pytest.raises(LayoutError, match="ep=3 does not divide num_moe_experts=4"):
         validate(Layout(ep=3, dp=3), 3, moe)
 
@@ -472,7 +474,7 @@ def test_enumerate_switches() -> None:
     assert set(names(enumerate_layouts(2, allow_sp=False, allow_vpp=False, cp=True))) == {"tp2", "pp2", "cp2", "dp2"}
     moe = types.SimpleNamespace(**vars(TINY), num_moe_experts=2)
     assert set(names(enumerate_layouts(2, moe, allow_sp=False, allow_vpp=False, ep=True))) == {
-        "tp2", "pp2", "dp2", "ep2dp2",
+        "pp2", "dp2", "ep2dp2",  # tp2 with experts needs sequence parallelism
     }
     # ep variants need experts when a model is given.
     assert "ep2dp2" not in names(enumerate_layouts(2, TINY, ep=True))
@@ -544,9 +546,43 @@ def test_megatron_kwargs_values() -> None:
         "virtual_pipeline_model_parallel_size": 2,
         "context_parallel_size": 2,
         "expert_model_parallel_size": 2,
+        "expert_tensor_parallel_size": None,
     }
+    assert Layout(tp=2, ep=2, etp=1).megatron_kwargs()["expert_tensor_parallel_size"] == 1
     assert layout.config_kwargs() == {**layout.megatron_kwargs(), "sequence_parallel": True}
 
 
 def test_config_kwargs_are_model_parallel_config_fields() -> None:
     assert set(Layout().config_kwargs()) <= _model_parallel_config_fields()
+
+
+# --------------------------------------------------------------------------- etp
+def test_etp_parses_names_and_round_trips_and_etp_equal_to_tp_is_the_default() -> None:
+    layout = parse_layout("tp2 x ep2 x etp1")
+    assert (layout.tp, layout.ep, layout.etp, layout.expert_tp) == (2, 2, 1, 1)
+    assert layout.name == "tp2ep2etp1" and parse_layout(layout.name) == layout
+    assert parse_layout("tp2etp2") == parse_layout("tp2") and parse_layout("tp2etp2").name == "tp2"
+    assert Layout(tp=2).expert_tp == 2
+
+
+def test_etp_times_ep_must_divide_the_ranks_of_a_stage_and_etp_needs_experts() -> None:
+    moe = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 4,
+           "intermediate_size": 128, "num_experts": 4, "moe_intermediate_size": 32}
+
+    class Config:
+        def __init__(self, **fields):
+            self.__dict__.update(fields)
+
+    assert validate(parse_layout("tp2ep2etp1-sp"), 2, Config(**moe)).name == "tp2ep2etp1-sp"
+    with pytest.raises(LayoutError, match="tp=2 with experts needs sequence parallelism"):
+        validate(parse_layout("tp2ep2etp1"), 2, Config(**moe))
+    with pytest.raises(LayoutError, match=r"ep=2 does not divide dp\*cp = 1"):
+        validate(parse_layout("tp2ep2-sp"), 2, Config(**moe))
+    with pytest.raises(LayoutError, match=r"etp\*ep = 1\*4 does not divide tp\*dp\*cp = 2"):
+        validate(parse_layout("tp2ep4etp1-sp"), 2, Config(**moe))
+    with pytest.raises(LayoutError, match="etp=1 requires a MoE model"):
+        validate(parse_layout("tp2etp1"), 2, Config(**{k: v for k, v in moe.items() if "moe" not in k and k != "num_experts"}))
+    with pytest.raises(LayoutError, match="etp=3 does not divide the expert ffn_hidden_size=32"):
+        validate(Layout(tp=1, etp=3, dp=3, ep=1), 3, Config(**moe))
+    with pytest.raises(LayoutError, match="etp=0 must be None or a positive integer"):
+        Layout(etp=0)

@@ -38,7 +38,8 @@ def _state(name: str, seed: int = 0) -> dict[str, torch.Tensor]:
 
 def test_zoo_names():
     expected = {f"{family}{suffix}" for family in FAMILIES for suffix in ("", "-tied")}
-    assert set(list_models()) == expected | {"qwen3-0.6b-shape", "tiny-qwen3-kv4", "tiny-qwen3-hd32", "tiny-llama3"}
+    assert set(list_models()) == expected | {"qwen3-0.6b-shape", "tiny-qwen3-kv4", "tiny-qwen3-hd32", "tiny-llama3",
+                                                 "tiny-qwen3-moe", "tiny-mixtral"}
     assert list(ZOO) == list_models() == sorted(list_models())
     for name in list_models():
         assert ZOO[name].tied == (name.endswith("-tied") or name == "qwen3-0.6b-shape")

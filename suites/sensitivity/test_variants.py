@@ -100,11 +100,21 @@ def test_every_entry_runs_somewhere_in_every_dtype_it_claims():
     """On the CPU tier every entry that can show there; a CUDA-only entry (TF32, FP8) on every CUDA
     spec it can show on."""
     ran = {(p.values[2], p.values[4]) for p in CASES if p.values[0] == "cpu"}
-    assert ran == {(v.id, d) for v in CATALOG.values() for d in v.dtypes if "cpu" in v.devices}
+    assert ran == {(v.id, d) for v in CATALOG.values() for d in v.dtypes if "cpu" in v.devices and _converted(v)}
     on_cuda = {(p.values[1], p.values[2], p.values[4]) for p in CASES if p.values[0] == "cuda"}
     assert {(s, v.id, d) for v in CATALOG.values() if v.devices == ("cuda",) for d in v.dtypes
             for s in specs.selected("auto", "cuda") if s in v.specs} <= on_cuda
     assert all(set(v.dtypes) <= set(DTYPES) for v in CATALOG.values())
+
+
+def _converted(variant) -> bool:
+    """This run's bridge converts the entry's model (Megatron-Bridge 0.6.2 has no Mixtral: mbridge's
+    Mixtral routing bug is mbridge's alone)."""
+    from harness.bridge.backends import current
+    from harness.bridge.preflight import BRIDGE_MODEL_TYPES
+    from harness.models import load_hf_config
+
+    return variant.component != "bridge" or load_hf_config(variant.model).model_type in BRIDGE_MODEL_TYPES[current()]
 
 
 @pytest.fixture

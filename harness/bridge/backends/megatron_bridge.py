@@ -15,7 +15,11 @@ What is set on Megatron-Bridge's model provider, and why (so that both bridges b
   only where its kernels exist (harness fix 5 of mbridge_compat);
 - `attention_softmax_in_fp32` True and `deallocate_pipeline_outputs` False: what megatron-core (and
   so mbridge) defaults to, where Megatron-Bridge's provider defaults differ;
-- mbridge's pipeline settings (variable sequence lengths, no batched p2p).
+- mbridge's pipeline settings (variable sequence lengths, no batched p2p);
+- MoE: the expert parallel sizes from parallel_state too; on the local spec SequentialMLP experts
+  (`moe_grouped_gemm` off: the legacy GroupedMLP needs the CUDA grouped_gemm package) and no router
+  fusion (TE kernels); no load-balancing loss (preflight.MOE_TRAINING_SETTINGS: the provider's
+  Qwen3-MoE aux loss of 0.001 moved the trained weights 1.8e-3 off HF's).
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ import torch
 from transformers import AutoConfig
 
 from harness.bridge.norms import local_block_spec, resolve_norm_precision
-from harness.bridge.preflight import NOT_WEIGHTS, check_hf_config, rope_settings
+from harness.bridge.preflight import MOE_TRAINING_SETTINGS, NOT_WEIGHTS, check_hf_config, num_experts, rope_settings
 from harness.bridge.specs import resolve as resolve_spec
 from harness.bridge.versions import fused_softmax_kernels_available
 
@@ -60,6 +64,8 @@ class MegatronBridgeHandle:
         provider.pipeline_model_parallel_size = ps.get_pipeline_model_parallel_world_size()
         provider.virtual_pipeline_model_parallel_size = ps.get_virtual_pipeline_model_parallel_world_size()
         provider.context_parallel_size = ps.get_context_parallel_world_size()
+        provider.expert_model_parallel_size = ps.get_expert_model_parallel_world_size()
+        provider.expert_tensor_parallel_size = ps.get_expert_tensor_parallel_world_size()
         provider.sequence_parallel = sequence_parallel
         provider.should_pad_vocab = True
         provider.make_vocab_size_divisible_by = make_vocab_size_divisible_by
@@ -75,6 +81,10 @@ class MegatronBridgeHandle:
 
             provider.transformer_layer_spec = self._local_spec
             provider.attention_backend = AttnBackend.local
+            if num_experts(self.hf_config):
+                overrides.update(moe_grouped_gemm=False, moe_router_fusion=False)
+        if num_experts(self.hf_config):  # the provider's aux loss off, as on the other bridge
+            overrides.update(MOE_TRAINING_SETTINGS)
         # On both specs: megatron-core's defaults (what mbridge builds, what the harness's TE figures were
         # measured on). On TE, gradient accumulation fusion needs Apex's fused_weight_gradient_mlp_cuda
         # (every TE parity case failed without it on an H100, 2026-11-25).
@@ -165,6 +175,10 @@ class MegatronBridgeHandle:
                 continue
             hf = task.mapping.hf_param
             used.update(hf.values() if isinstance(hf, Mapping) else [hf])
+        # Every rank of the world: pipeline stages hold other layers, expert-parallel ranks other experts.
+        per_rank: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(per_rank, sorted(used))
+        used = set().union(*per_rank)
         if self.harness_tied:
             used.add("lm_head.weight")
         return sorted(n for n in on_disk - used if not n.endswith(NOT_WEIGHTS))
