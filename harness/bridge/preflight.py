@@ -136,6 +136,18 @@ def num_experts(hf_config: PretrainedConfig) -> int:
         if hf_config.model_type in MOE_MODEL_TYPES else 0
 
 
+def bridge_converts(model: str | os.PathLike | PretrainedConfig) -> bool:
+    """Whether this process's bridge (harness.bridge.backends.current) converts `model`'s family (a
+    zoo name, a checkpoint dir or a config): Megatron-Bridge 0.6.2 has no Mixtral."""
+    from harness.bridge.backends import current
+
+    if not isinstance(model, PretrainedConfig):
+        from harness.models import load_hf_config
+
+        model = load_hf_config(model)
+    return model.model_type in BRIDGE_MODEL_TYPES[current()]
+
+
 def _check_model_type(model_type: str | None) -> None:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(

@@ -265,9 +265,9 @@ def preflight(variant_id: str, layout: str | None, dtype: str, world_size_limit:
     layout = layout or variant.default_layout
     config = load_hf_config(_model(variant))
     from harness.bridge.backends import current
-    from harness.bridge.preflight import BRIDGE_MODEL_TYPES
+    from harness.bridge.preflight import bridge_converts
 
-    if config.model_type not in BRIDGE_MODEL_TYPES[current()]:
+    if not bridge_converts(config):
         raise VariantError(f"variant {variant.id!r} shows on {_model(variant)}, which the {current()} bridge "
                            "does not convert")
     names = _pair(layout) if variant.component == "checkpoint" else (layout,)

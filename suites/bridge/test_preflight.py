@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from harness.bridge.backends import current
 from harness.bridge.preflight import (
-    BRIDGE_MODEL_TYPES,
     UnsupportedModelError,
+    bridge_converts,
     check_model_supported,
     checkpoint_tensor_names,
     expected_tensor_names,
@@ -92,15 +92,11 @@ def test_unsupported_feature_is_one_error(tmp_path, base, config, add, drop, mes
 def test_every_zoo_model_is_supported(name):
     """By this run's bridge: each converts the families it has (Megatron-Bridge 0.6.2 has no Mixtral),
     and refuses the others by name before any rank works."""
-    if not _bridge_converts(name):
+    if not bridge_converts(name):
         with pytest.raises(UnsupportedModelError, match=f"not supported by the {current()} bridge"):
             check_model_supported(name)
         return
     assert check_model_supported(name).to_dict() == load_hf_config(name).to_dict()
-
-
-def _bridge_converts(name) -> bool:
-    return load_hf_config(name).model_type in BRIDGE_MODEL_TYPES[current()]
 
 
 @pytest.mark.parametrize("name", TINY_MODELS)
@@ -109,7 +105,7 @@ def test_expected_names_are_exactly_what_hf_saves(name):
     (the rank-side guard checks the same against mbridge's real mapping)."""
     path = resolve_model(name)
     assert checkpoint_tensor_names(path) == expected_tensor_names(load_hf_config(name))
-    if _bridge_converts(name):
+    if bridge_converts(name):
         assert check_model_supported(path).model_type == load_hf_config(name).model_type
 
 
