@@ -63,7 +63,7 @@ class PolicyConfig:
 
 
 # The training variants of the catalog (harness.variants) this worker implements.
-IMPLEMENTED = ("no-finalize-grads", "grad-times-microbatches")
+IMPLEMENTED = ("no-finalize-grads", "grad-times-microbatches", "grad-norm-without-experts")
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -145,6 +145,8 @@ class PolicyWorker:
         model_config.grad_scale_func = self.optimizer.scale_loss
         if config.variant != "no-finalize-grads":
             model_config.finalize_model_grads_func = finalize_model_grads
+        if config.variant == "grad-norm-without-experts":
+            _drop_experts_from_grad_norm(self.optimizer)
         no_sync = [m.no_sync for m in self.models]
         model_config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         self.model_config = model_config
@@ -521,3 +523,22 @@ def _deterministic(on: bool) -> Iterator[None]:
         yield
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def _drop_experts_from_grad_norm(optimizer) -> None:
+    """The grad-norm-without-experts variant (Megatron-LM #5916's class): under expert parallelism
+    megatron-core keeps a MoE model's expert parameters in an optimizer of their own (a
+    ChainedOptimizer's expert-parallel part; at ep 1 they sit with the others); leave its gradients
+    out of the global grad norm, and so out of clipping."""
+    from harness.variants import VariantError
+
+    experts = [part for part in getattr(optimizer, "chained_optimizers", [optimizer])
+               if part.param_groups and all(group.get("is_expert_parallel") for group in part.param_groups)]
+    if not experts:
+        raise VariantError("variant 'grad-norm-without-experts' needs a MoE model under expert parallelism "
+                           "(ep >= 2: only then does megatron-core give the experts an optimizer of their own)")
+    for part in experts:  # both of ChainedOptimizer.get_grad_norm's paths (0.19 renamed the first)
+        for name in ("get_main_grads_for_grad_norm", "get_grads_for_grad_norm"):
+            if hasattr(part, name):
+                setattr(part, name, lambda: [])
+        part.get_grad_norm = lambda: 0.0

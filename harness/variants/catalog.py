@@ -437,6 +437,12 @@ def _needs_two_experts_on_a_rank(layout, config) -> str | None:
     return _needs_experts(layout, config)
 
 
+def _needs_expert_parallelism(layout, config) -> str | None:
+    if layout.ep < 2:
+        return "needs expert parallelism (ep >= 2): at ep 1 the experts share the dense parameters' optimizer"
+    return _needs_experts(layout, config)
+
+
 _MOE_PARITY = (("reference", "plain"), ("dispatcher", "alltoall"))
 _MOE: tuple[Variant, ...] = (
     Variant("swapped-experts", "bridge", "negative-control",
@@ -457,6 +463,12 @@ _MOE: tuple[Variant, ...] = (
             "logprobs off on every token; the model still runs",
             "logprob parity vs HF: every metric", requires=_needs_experts, default_layout="dp2",
             model="tiny-qwen3-moe", dtypes=("fp32",), specs=("local",), options=_MOE_PARITY),
+    Variant("grad-norm-without-experts", "training", "upstream-bug",
+            "the experts' gradients left out of the global grad norm, and so of its clipping",
+            "grad norm too small by the experts' share; clipping too weak; the loss looks fine",
+            "training vs the single-process ground truth: grad_norm_rel_diff",
+            upstream="NVIDIA/Megatron-LM #5916 (grad norm omits the experts with EP > 1 and TP > 1)",
+            requires=_needs_expert_parallelism, default_layout="dp2ep2", model="tiny-qwen3-moe", dtypes=("fp32",)),
     Variant("mixtral-pre-softmax", "bridge", "upstream-bug",
             "Mixtral routed with a softmax over every expert before the top-k and no renormalisation "
             "(moe_router_pre_softmax=True), where HF Mixtral renormalises the top-k probabilities",

@@ -27,7 +27,7 @@ SAME = ["tp2->tp2", "pp2->pp2", "dp2->dp2"]
 # Where each component's entries run (a variant that cannot show somewhere is left out there); a
 # machine of one GPU adds tp1, so that one GPU still shows every variant that can show there.
 WHERE = {"bridge": ["tp2", "pp2", "dp2"], "logprobs": ["tp2", "pp2", "dp2"], "precision": ["tp2"],
-         "training": ["tp2", "pp2", "dp2"], "weight-sync": ["tp2", "pp2", "dp2"], "fp8": ["tp2"]}
+         "training": ["tp2", "pp2", "dp2", "dp2ep2"], "weight-sync": ["tp2", "pp2", "dp2"], "fp8": ["tp2"]}
 CHECKPOINT_WHERE = {"shared-adam-step": [(w, DTYPES) for w in SAME] + [("tp2->pp2", ("fp32",))],
                     "rng-not-restored": [(w, DTYPES) for w in SAME],
                     "dp-reshardable": [(w, DTYPES) for w in ("tp2->pp2", "pp2->tp2", "dp2->tp2")]}
