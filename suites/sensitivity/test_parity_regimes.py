@@ -44,7 +44,9 @@ def _run(world, layout, variant, dtype, hf_cache, report, **case):
     return result
 
 
-@pytest.mark.parametrize("variant", [v for v in PARITY_VARIANTS if v not in FINE])
+# Every coarse entry that can show in bf16 (the MoE controls claim fp32 only: `router-in-bf16` is
+# no error in a bf16 run, and MoE bf16 bounds are not measured yet).
+@pytest.mark.parametrize("variant", [v for v in PARITY_VARIANTS if v not in FINE and "bf16" in get(v).dtypes])
 def test_coarse_variants_fail_even_in_the_approximate_regime(world_pool, device, variant, hf_cache, report,
                                                              pytestconfig):
     layout = get(variant).default_layout  # where the catalog says it shows (tp2, or pp2 for PP-only ones)
