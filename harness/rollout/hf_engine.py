@@ -10,11 +10,13 @@ gives the same tokens on any device as long as the probabilities agree.
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 from typing import Iterable, Sequence
 
 import torch
 
 from harness.rollout.engine import Rollouts, Sampling, bucket_plan, make_rollouts, prompt_rows, require_awake
+from harness.rollout.routing import RoutingRecorder
 
 
 class HFEngine:
@@ -34,30 +36,39 @@ class HFEngine:
         self.pad_id = int(config.pad_token_id if config.pad_token_id is not None else 0)
         self.vocab_size = int(config.vocab_size)
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        # A MoE model holds its experts fused; weights travel under the checkpoint's per-expert names.
+        self._slots = checkpoint_slots(self.model)
 
     # ------------------------------------------------------------------------- generation
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> Rollouts:
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling, *, routing: bool = False) -> Rollouts:
+        """routing=True (a MoE model): the rollouts also carry the routers' top-k of every token,
+        by global layer (`Rollouts.routing`, harness.rollout.routing), recorded as generated."""
         require_awake(self, "generate")
         prompt_ids, prompt_mask, index = prompt_rows(prompts, sampling.n, self.vocab_size, self.pad_id)
         generator = torch.Generator().manual_seed(sampling.seed)
         ids = prompt_ids.to(self.device)
         mask = prompt_mask.to(self.device)
         positions = (mask.long().cumsum(1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask.long(), position_ids=positions, use_cache=True)
-        tokens, logprobs = [], []
-        for step in range(sampling.max_tokens):
-            token, logprob = self._sample(out.logits[:, -1], sampling.temperature, generator)
-            tokens.append(token)
-            logprobs.append(logprob)
-            if step + 1 == sampling.max_tokens:
-                break
-            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-            positions = positions[:, -1:] + 1
-            out = self.model(input_ids=token.unsqueeze(1).to(self.device), attention_mask=mask.long(),
-                             position_ids=positions, past_key_values=out.past_key_values, use_cache=True)
-        return make_rollouts(prompt_ids, prompt_mask, index, torch.stack(tokens, 1), torch.stack(logprobs, 1),
-                             self.pad_id)
+        recorder = RoutingRecorder(self.model) if routing else nullcontext()
+        with recorder:
+            out = self.model(input_ids=ids, attention_mask=mask.long(), position_ids=positions, use_cache=True)
+            tokens, logprobs = [], []
+            for step in range(sampling.max_tokens):
+                token, logprob = self._sample(out.logits[:, -1], sampling.temperature, generator)
+                tokens.append(token)
+                logprobs.append(logprob)
+                if step + 1 == sampling.max_tokens and not routing:
+                    break  # (with routing, the last token is fed too: its routes are recorded)
+                mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+                positions = positions[:, -1:] + 1
+                out = self.model(input_ids=token.unsqueeze(1).to(self.device), attention_mask=mask.long(),
+                                 position_ids=positions, past_key_values=out.past_key_values, use_cache=True)
+        rollouts = make_rollouts(prompt_ids, prompt_mask, index, torch.stack(tokens, 1), torch.stack(logprobs, 1),
+                                 self.pad_id)
+        if routing:
+            rollouts.routing = recorder.routes(len(index), rollouts.batch.attention_mask)
+        return rollouts
 
     @staticmethod
     def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator
@@ -72,15 +83,25 @@ class HFEngine:
         """Copy each (HF name, tensor) into the model; a fused gate_up_proj is split (gate rows
         first). Unknown names and shape mismatches raise before anything of the bucket is copied."""
         require_awake(self, "update_weights")
-        plan = bucket_plan(bucket, {name: p.shape for name, p in self._params.items()})
+        if self._slots is None:
+            plan = bucket_plan(bucket, {name: p.shape for name, p in self._params.items()})
+            for name, tensor in plan:
+                self._params[name].copy_(tensor)
+            return len(plan)
+        plan = bucket_plan(bucket, {name: index.shape for name, (_, index) in self._slots.items()})
         for name, tensor in plan:
-            self._params[name].copy_(tensor)
+            param, index = self._slots[name]
+            param.view(-1)[index.to(param.device)] = tensor.to(param.device, param.dtype)
         return len(plan)
 
     @torch.no_grad()
     def weights(self) -> dict[str, torch.Tensor]:
         """Copies on the CPU, by checkpoint name (a tied model has no lm_head.weight)."""
-        state = {name: p.detach().cpu().clone() for name, p in self.model.named_parameters()}
+        if self._slots is not None:
+            state = {name: param.detach().view(-1)[index.to(param.device)].cpu()
+                     for name, (param, index) in self._slots.items()}
+        else:
+            state = {name: p.detach().cpu().clone() for name, p in self.model.named_parameters()}
         if self.tied:
             state.pop("lm_head.weight", None)
         return state
@@ -97,3 +118,29 @@ class HFEngine:
         if self.device.type == "cuda":
             self.model.to(self.device)  # in place: the Parameter objects in _params stay the same
         self.asleep = False
+
+
+def checkpoint_slots(model) -> dict[str, tuple[torch.nn.Parameter, torch.Tensor]] | None:
+    """Where each checkpoint tensor lives in `model`'s parameters, for a model whose checkpoint names
+    are not its parameters' (transformers 5 fuses a MoE layer's experts: `mlp.experts.gate_up_proj`
+    [experts, 2 x width, hidden], stored per expert): name -> (parameter, the flat indices of its
+    elements, shaped as the checkpoint tensor). None when the names are the parameters' (dense).
+    Found by converting index tensors the way transformers converts weights, so it holds for any
+    family's fusion without naming its layout here."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    params = dict(model.named_parameters())
+    names = dict(revert_weight_conversion(model, {n: p.detach().to("meta") for n, p in params.items()}))
+    if set(names) == set(params):
+        return None
+    # Tag every element with (parameter number, flat position), converted as the weights would be.
+    tags = {n: torch.arange(p.numel(), dtype=torch.float64).view(p.shape) + i * (1 << 40)
+            for i, (n, p) in enumerate(params.items())}
+    order = list(params.values())
+    slots = {}
+    for name, tag in dict(revert_weight_conversion(model, tags)).items():
+        which = (tag // (1 << 40)).long()
+        if not torch.all(which == which.flatten()[0]):
+            raise ValueError(f"{name}: a checkpoint tensor drawn from several parameters")
+        slots[name] = (order[int(which.flatten()[0])], (tag - which * (1 << 40)).long().clone())
+    return slots

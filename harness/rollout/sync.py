@@ -10,10 +10,15 @@ and up projections travel fused (`gate_up_proj`, gate rows first, as vLLM packs 
 
 The catalog's `weight-sync` variants are upstream bugs of exactly this path (harness.variants);
 `sync-split-fused-group` is the vLLM adapter's (it loads each bucket as it comes, harness.rollout.vllm_engine).
+A MoE model's experts travel one tensor per expert (`mlp.experts.<e>.gate_up_proj.weight`, ...), so an
+expert group (a layer's experts of one projection, `expert_group`) may straddle buckets: the
+`sync-expert-group-split` variant is what a grouped export makes of that (SkyRL PR 1471).
 """
 from __future__ import annotations
 
+import re
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -23,10 +28,18 @@ from harness.rollout.engine import FUSED_GATE_UP
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 IMPLEMENTED = ("sync-skipped-bucket", "sync-swapped-tp-shards", "sync-unsynced-tied-embedding",
-               "sync-swapped-gate-up", "sync-split-fused-group")
+               "sync-swapped-gate-up", "sync-split-fused-group", "sync-expert-group-split")
 # HF projections that Megatron splits by output rows over TP (column-parallel).
 _COLUMN_PARALLEL = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")
 _EMBEDDINGS = ("model.embed_tokens.weight", "lm_head.weight")
+_EXPERT = re.compile(r"^(.*\.experts)\.\d+\.(.+)$")
+
+
+def expert_group(name: str) -> str | None:
+    """The group an expert's tensor belongs to: the layer's experts of one projection (what a grouped
+    export fuses into one HF tensor, `...mlp.experts.gate_up_proj.weight`); None for other tensors."""
+    match = _EXPERT.match(name)
+    return f"{match.group(1)}.{match.group(2)}" if match else None
 
 
 @dataclass
@@ -38,6 +51,7 @@ class SyncReport:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     seconds: float = 0.0
     names: list[str] = field(default_factory=list)
+    bucket_tensors: list[int] = field(default_factory=list)  # tensors per bucket, in order (cuts `names`)
 
 
 def sync_weights(policy, engine, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, variant: str | None = None,
@@ -76,6 +90,7 @@ def _stream(policy, engine, variant: str | None, report: SyncReport, progress) -
             engine.update_weights(bucket)
         report.buckets += 1
         report.tensors += len(bucket)
+        report.bucket_tensors.append(len(bucket))
         report.bytes += size
         report.max_bucket_bytes = max(report.max_bucket_bytes, size)
         report.names += [name for name, _ in bucket]
@@ -121,6 +136,11 @@ class _Stream:
         self.sent: dict[str, torch.Tensor | None] = {}  # name -> the copy, kept for embeddings only
         self.halves: dict[str, dict[str, torch.Tensor]] = {}  # MLP prefix -> gate/up awaiting its pair
         self.ready: list[tuple[str, torch.Tensor]] = []  # transformed, not yet in a bucket
+        if variant == "sync-expert-group-split":
+            from harness.bridge import hf_config
+            from harness.bridge.preflight import num_experts
+
+            self.experts = num_experts(hf_config(models))
 
     def next_bucket(self) -> tuple[list[tuple[str, torch.Tensor]], bool]:
         bucket, size = [], 0
@@ -130,15 +150,26 @@ class _Stream:
                 if item is None:
                     if self.halves:
                         raise RuntimeError(f"gate/up projections without their pair: {sorted(self.halves)}")
-                    return bucket, True
+                    return self._grouped_export(bucket), True
                 self.ready = self._transform(*item)
             name, tensor = self.ready[0]
             nbytes = tensor.numel() * tensor.element_size()
             if bucket and size + nbytes > self.limit:
-                return bucket, False
+                return self._grouped_export(bucket), False
             self.ready.pop(0)
             bucket.append((name, tensor))
             size += nbytes
+
+    def _grouped_export(self, bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """The sync-expert-group-split variant (SkyRL PR 1471's bug): buckets planned over the bridge's
+        export tasks, each bucket exported by a call of its own, whose grouped export yields a fused
+        expert group only once every expert of the group was in that call. A group cut by a bucket
+        boundary is complete in neither call: none of its experts is ever sent."""
+        if self.variant != "sync-expert-group-split":
+            return bucket
+        members = Counter(expert_group(name) for name, _ in bucket)
+        return [(name, t) for name, t in bucket
+                if expert_group(name) is None or members[expert_group(name)] == self.experts]
 
     @torch.no_grad()
     def _transform(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:

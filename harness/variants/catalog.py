@@ -469,6 +469,15 @@ _MOE: tuple[Variant, ...] = (
             "training vs the single-process ground truth: grad_norm_rel_diff",
             upstream="NVIDIA/Megatron-LM #5916 (grad norm omits the experts with EP > 1 and TP > 1)",
             requires=_needs_expert_parallelism, default_layout="dp2ep2", model="tiny-qwen3-moe", dtypes=("fp32",)),
+    Variant("sync-expert-group-split", "weight-sync", "upstream-bug",
+            "a MoE layer's experts of one projection (a grouped export's group) cut by a bucket boundary "
+            "are never sent: buckets planned over export tasks, each exported by its own call, and the "
+            "grouped export yields a group only when all its experts are in one call",
+            "the engine keeps those layers' old experts after every sync; rollouts drift from the trainer "
+            "with nothing in the logs",
+            "weight sync: unequal_tensors (the split groups' experts) and max_abs_diff after a step",
+            upstream="SkyRL PR 1471 (grouped expert export tasks split across buckets never yielded)",
+            requires=_needs_experts, default_layout="dp2ep2", model="tiny-qwen3-moe", dtypes=("fp32",)),
     Variant("mixtral-pre-softmax", "bridge", "upstream-bug",
             "Mixtral routed with a softmax over every expert before the top-k and no renormalisation "
             "(moe_router_pre_softmax=True), where HF Mixtral renormalises the top-k probabilities",

@@ -27,7 +27,7 @@ SAME = ["tp2->tp2", "pp2->pp2", "dp2->dp2"]
 # Where each component's entries run (a variant that cannot show somewhere is left out there); a
 # machine of one GPU adds tp1, so that one GPU still shows every variant that can show there.
 WHERE = {"bridge": ["tp2", "pp2", "dp2"], "logprobs": ["tp2", "pp2", "dp2"], "precision": ["tp2"],
-         "training": ["tp2", "pp2", "dp2", "dp2ep2"], "weight-sync": ["tp2", "pp2", "dp2"], "fp8": ["tp2"]}
+         "training": ["tp2", "pp2", "dp2", "dp2ep2"], "weight-sync": ["tp2", "pp2", "dp2", "dp2ep2"], "fp8": ["tp2"]}
 CHECKPOINT_WHERE = {"shared-adam-step": [(w, DTYPES) for w in SAME] + [("tp2->pp2", ("fp32",))],
                     "rng-not-restored": [(w, DTYPES) for w in SAME],
                     "dp-reshardable": [(w, DTYPES) for w in ("tp2->pp2", "pp2->tp2", "dp2->tp2")]}
@@ -69,10 +69,19 @@ def _nightly(variant, where: str, dtype: str, device: str) -> bool:
         return True
     if variant.engine == "vllm" and where != "dp2":  # a vLLM engine per check: CI runs dp2 alone
         return True
+    if variant.component == "weight-sync" and _moe(variant) and where != variant.default_layout:
+        return True  # a MoE entry shows wherever there are experts: CI runs its expert-parallel layout
     if variant.component in ("offload", "weight-sync"):  # what they break is dtype-blind: CI runs fp32
         return device == "cpu" and dtype != variant.dtypes[0]
     return (device == "cpu" and dtype == "bf16" and variant.component in WHERE and where != "tp2"
             and _applies(variant.id, "tp2", dtype))
+
+
+def _moe(variant) -> bool:
+    from harness.bridge.preflight import num_experts
+    from harness.models import load_hf_config
+
+    return num_experts(load_hf_config(variant.model)) > 0
 
 
 def _cases():

@@ -1,0 +1,42 @@
+"""Weight sync from expert-parallel layouts: after a training step and a sync the HF engine holds the
+MoE policy's exported weights bit for bit, its logprobs of its own samples match the trainer's, and a
+second sync changes nothing (harness.rollout.check) - with buckets small enough that a layer's experts
+of one projection (an expert group, what a grouped export fuses) straddle bucket boundaries. A grouped
+export that drops such a group (SkyRL PR 1471) is the catalog's `sync-expert-group-split`, caught in
+suites/sensitivity and below."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+
+from harness.rollout.check import sync_check
+from harness.rollout.sync import expert_group
+from suites.rollout.test_sync import _record
+
+MODEL = "tiny-qwen3-moe"
+
+
+def straddling_groups(report) -> list[str]:
+    """The expert groups whose tensors went out in more than one bucket."""
+    where, start = defaultdict(set), 0
+    for index, count in enumerate(report.bucket_tensors):
+        for name in report.names[start:start + count]:
+            if expert_group(name):
+                where[expert_group(name)].add(index)
+        start += count
+    return sorted(group for group, buckets in where.items() if len(buckets) > 1)
+
+
+@pytest.mark.layouts(cpu=["tp2ep2etp1-sp"], cuda=["tp1"])
+def test_a_synced_engine_equals_the_trained_moe_policy(policy, device, layout, report):
+    result = sync_check(policy, layout, "fp32", device=device, model=MODEL)
+    _record(report, result)
+    assert result.passed, result.summary()
+    assert straddling_groups(result.report), "no expert group straddles a bucket boundary: buckets too large"
+
+
+@pytest.mark.nightly
+@pytest.mark.layouts(cpu=["dp2ep2", "tp2-sp", "pp2"])
+def test_a_synced_engine_equals_the_trained_moe_policy_elsewhere(policy, device, layout, report):
+    test_a_synced_engine_equals_the_trained_moe_policy(policy, device, layout, report)
