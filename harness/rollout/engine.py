@@ -42,11 +42,13 @@ class Sampling:
 class Rollouts:
     """`batch`: prompt (left-padded) + completion rows, n consecutive rows per prompt;
     `logprobs`: float32 [B, S], the engine's logprob of each sampled token (0 elsewhere);
-    `prompt_index`: int64 [B], which prompt each row continues."""
+    `prompt_index`: int64 [B], which prompt each row continues; `routing`: a MoE engine's top-k
+    experts per token [B, S, L, K] by global layer, when asked for (harness.rollout.routing)."""
 
     batch: RLBatch
     logprobs: torch.Tensor
     prompt_index: torch.Tensor
+    routing: torch.Tensor | None = None
 
     @property
     def completions(self) -> torch.Tensor:
