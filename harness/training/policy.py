@@ -63,7 +63,8 @@ class PolicyConfig:
 
 
 # The training variants of the catalog (harness.variants) this worker implements.
-IMPLEMENTED = ("no-finalize-grads", "grad-times-microbatches", "grad-norm-without-experts")
+IMPLEMENTED = ("no-finalize-grads", "grad-times-microbatches", "grad-norm-without-experts",
+               "expert-grads-over-dp")
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -147,6 +148,8 @@ class PolicyWorker:
             model_config.finalize_model_grads_func = finalize_model_grads
         if config.variant == "grad-norm-without-experts":
             _drop_experts_from_grad_norm(self.optimizer)
+        if config.variant == "expert-grads-over-dp":
+            model_config.finalize_model_grads_func = _experts_reduced_over_dp(self.models, finalize_model_grads)
         no_sync = [m.no_sync for m in self.models]
         model_config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         self.model_config = model_config
@@ -542,3 +545,28 @@ def _drop_experts_from_grad_norm(optimizer) -> None:
             if hasattr(part, name):
                 setattr(part, name, lambda: [])
         part.get_grad_norm = lambda: 0.0
+
+
+def _experts_reduced_over_dp(models, finalize):
+    """The expert-grads-over-dp variant (Megatron-LM #5916's second class): the experts' gradients
+    reduced over the dense data-parallel group, as megatron-core does for a parameter whose
+    `allreduce` flag was left True (0.16.1's layers set it False only at ep > 1). Megatron-core's own
+    expert reduction then runs over expert DP as usual; summing the expert buffers over DP first gives
+    the reduced gradients the flag bug gives: where the DP group is not the expert-DP group (dp2ep2),
+    experts that differ per rank are summed as if they were replicas."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from harness.variants import VariantError
+
+    if ps.get_data_parallel_world_size() == ps.get_expert_data_parallel_world_size():
+        raise VariantError("variant 'expert-grads-over-dp' needs the data-parallel group to differ from the "
+                           "expert data-parallel group (ep * etp != tp * cp)")
+
+    def wrong_group_first(*args, **kwargs):
+        for model in models:
+            for buffer in model.expert_parallel_buffers:
+                dist.all_reduce(buffer.grad_data, group=ps.get_data_parallel_group())
+        return finalize(*args, **kwargs)
+
+    return wrong_group_first

@@ -443,6 +443,13 @@ def _needs_expert_parallelism(layout, config) -> str | None:
     return _needs_experts(layout, config)
 
 
+def _needs_expert_dp_unlike_dp(layout, config) -> str | None:
+    if layout.tp * layout.cp == layout.ep * layout.expert_tp:
+        return ("needs the data-parallel group to differ from the expert data-parallel group "
+                "(ep * etp != tp * cp, e.g. dp2ep2): elsewhere the two reductions are one")
+    return _needs_experts(layout, config)
+
+
 _MOE_PARITY = (("reference", "plain"), ("dispatcher", "alltoall"))
 _MOE: tuple[Variant, ...] = (
     Variant("swapped-experts", "bridge", "negative-control",
@@ -469,6 +476,17 @@ _MOE: tuple[Variant, ...] = (
             "training vs the single-process ground truth: grad_norm_rel_diff",
             upstream="NVIDIA/Megatron-LM #5916 (grad norm omits the experts with EP > 1 and TP > 1)",
             requires=_needs_expert_parallelism, default_layout="dp2ep2", model="tiny-qwen3-moe", dtypes=("fp32",)),
+    Variant("expert-grads-over-dp", "training", "upstream-bug",
+            "the experts' gradients reduced over the dense data-parallel group instead of the expert "
+            "data-parallel group (the parameters' `allreduce` flag left True, as megatron-core 0.16.1's "
+            "layers leave it at ep 1 with etp != tp)",
+            "experts that differ per rank are summed as if they were replicas (ETP > TP: unrelated "
+            "gradients mix; TP > ETP: each replica keeps part of its gradient); loss looks fine",
+            "training vs the single-process ground truth: param_max_abs_diff (the experts)",
+            upstream="NVIDIA/Megatron-LM #5916 (EP = 1 and ETP != TP: expert grads not reduced over the "
+                     "expert data-parallel group)",
+            requires=_needs_expert_dp_unlike_dp, default_layout="dp2ep2", model="tiny-qwen3-moe",
+            dtypes=("fp32",)),
     Variant("sync-expert-group-split", "weight-sync", "upstream-bug",
             "a MoE layer's experts of one projection (a grouped export's group) cut by a bucket boundary "
             "are never sent: buckets planned over export tasks, each exported by its own call, and the "
