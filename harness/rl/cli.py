@@ -1,6 +1,7 @@
 """`mrh loop`: the GRPO loop outside pytest, with a progress bar and a run report with plots.
 
     mrh loop --model tiny-qwen3 --layout dp2 --iterations 8 [--colocate] [--out DIR]
+    mrh loop --model tiny-qwen3-moe --layout dp2ep2 --routing-replay    (MoE, R3)
 
 Prints one line per iteration (reward, loss, grad norm, token_mult_prob_error, seconds), and writes
 under --out (default reports/loops/<timestamp>): iterations.json (config, versions, every metric and
@@ -45,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", default="hf", choices=["hf", "vllm"],
                         help="rollout engine (default hf); vllm needs `make vllm` and a head_dim >= 32 model, "
                              "e.g. tiny-qwen3-hd32")
+    parser.add_argument("--routing-replay", action="store_true",
+                        help="MoE (R3): the trainer replays the routes the engine recorded; each iteration "
+                             "reports the routing agreement (1.0 when replay works)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="run report directory (default reports/loops/<timestamp>)")
 
@@ -56,7 +60,13 @@ def main(args: argparse.Namespace) -> int:
         checked = check_target(args.model, args.layout, args.device, args.dtype)
         config = LoopConfig(iterations=args.iterations, group_size=args.group_size, prompts_per_step=args.prompts,
                             max_tokens=args.max_tokens, lr=args.lr, kl_coef=args.kl_coef, dtype=args.dtype,
-                            colocate=args.colocate, mixed=args.mixed, seed=args.seed, engine=args.engine)
+                            colocate=args.colocate, mixed=args.mixed, seed=args.seed, engine=args.engine,
+                            routing_replay=args.routing_replay)
+        if config.routing_replay:
+            from harness.models import load_hf_config
+            from harness.rl.loop import require_experts
+
+            require_experts(args.model, load_hf_config(args.model))
         if config.engine == "vllm":
             _check_vllm(args.model, checked["device"])
         rows = config.prompts_per_step * config.group_size
@@ -120,6 +130,7 @@ def _iterate(checked: dict[str, Any], config, rank_log: TextIO) -> list:
             bar.update(1)
             bar.write(f"{h.iteration:3d}  reward {h.reward_mean:.3f}  loss {h.loss:+.4f}  grad_norm {h.grad_norm:.3f}  "
                       f"token_mult_prob_error {h.token_mult_prob_error:.6f}  "
+                      + (f"routing_agreement {h.routing_agreement:.4f}  " if h.routing_agreement is not None else "")
                       + "  ".join(f"{k} {v:.2f}s" for k, v in h.seconds.items()), file=sys.stdout)
 
         with RLLoop(pool.get(layout.world_size, device), layout, checked["model"], config,

@@ -42,6 +42,7 @@ class LoopConfig:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     seed: int = 0
     engine: str = "hf"  # or "vllm" (harness.rollout.engines; a head_dim >= 32 model on CPU)
+    routing_replay: bool = False  # MoE (R3): the trainer replays the engine's routes (harness.training.routing_replay)
 
     def __post_init__(self) -> None:
         for name in ("iterations", "prompts_per_step", "group_size", "max_tokens", "micro_batches"):
@@ -56,6 +57,9 @@ class LoopConfig:
             raise ValueError("lr must be > 0 and kl_coef >= 0")
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.routing_replay and self.engine != "hf":
+            raise ValueError("routing replay needs the engine's routes: the HF engine records them, "
+                             f"the {self.engine} engine does not here")
 
 
 @dataclass
@@ -70,6 +74,9 @@ class Iteration:
     mean_abs: float
     tokens: list[list[int]] = field(repr=False, default_factory=list)  # the sampled completions
     seconds: dict[str, float] = field(default_factory=dict)
+    # With routing replay: the fraction of (real token, layer) top-k sets the trainer routed as the
+    # engine did, the worse of its logprob pass and its step (1.0 when replay works).
+    routing_agreement: float | None = None
 
     METRICS = ("reward_mean", "reward_std", "loss", "grad_norm", "token_mult_prob_error", "max_abs", "mean_abs")
 
@@ -99,12 +106,16 @@ class RLLoop:
         self.config = config or LoopConfig()
         self.progress = progress
         self.policy = self.reference = None
-        vocab = load_hf_config(model).vocab_size
+        hf_config = load_hf_config(model)
+        vocab = hf_config.vocab_size
+        if self.config.routing_replay:
+            require_experts(model, hf_config)
         self.task = make_task(self.config.task, vocab, prompts_per_step=self.config.prompts_per_step,
                               seed=self.config.seed, mixed=self.config.mixed)
         c = self.config
         self.policy = PolicyHandle(world, layout, model, seed=c.seed, lr=c.lr, micro_batches=c.micro_batches,
-                                   dtype=c.dtype, loss_kwargs=dict(clip_eps=c.clip_eps, kl_coef=c.kl_coef))
+                                   dtype=c.dtype, loss_kwargs=dict(clip_eps=c.clip_eps, kl_coef=c.kl_coef),
+                                   routing_replay=c.routing_replay)
         self.reference = None
         try:
             if c.kl_coef > 0:
@@ -137,7 +148,8 @@ class RLLoop:
             self.policy.offload()
             self.engine.wake()
         rollouts = self.engine.generate(prompts, Sampling(n=c.group_size, max_tokens=c.max_tokens,
-                                                          temperature=c.temperature, seed=c.seed * 1_000_003 + it))
+                                                          temperature=c.temperature, seed=c.seed * 1_000_003 + it),
+                                        **({"routing": True} if c.routing_replay else {}))
         if c.colocate:
             self.engine.sleep()
             self.policy.reload()
@@ -147,10 +159,10 @@ class RLLoop:
         mask = batch.response_mask & batch.logprob_mask()
         advantages = torch.where(mask, group_advantages(rewards, rollouts.prompt_index).unsqueeze(1), 0.0)
         t = time.perf_counter()
-        old = self.policy.logprobs(batch)
+        old, taken = self._old_logprobs(rollouts)
         ref = self.reference.logprobs(batch) if self.reference is not None else old
         agreement = compare_logprobs(old, rollouts.logprobs, batch.response_mask)
-        stats = self.policy.step(RLTrainBatch(batch, advantages.float(), old, ref))
+        stats, routed = self._train(RLTrainBatch(batch, advantages.float(), old, ref), rollouts, taken)
         seconds["train"] = time.perf_counter() - t
         t = time.perf_counter()
         if c.colocate:
@@ -160,7 +172,27 @@ class RLLoop:
         return Iteration(it, float(rewards.mean()), float(rewards.std(unbiased=False)), float(stats["loss"]),
                          float(stats["grad_norm"]), float(agreement["token_mult_prob_error"]),
                          float(agreement["max_abs"]), float(agreement["mean_abs"]),
-                         rollouts.completions.tolist(), seconds)
+                         rollouts.completions.tolist(), seconds, routed)
+
+    # With routing replay (R3) the policy's routers replay the engine's routes in both passes.
+    def _old_logprobs(self, rollouts):
+        """The trainer's logprobs of the rollouts, and the routes its routers took (None: no replay)."""
+        from harness.training.routing_replay import logprobs_with_routes
+
+        if not self.config.routing_replay:
+            return self.policy.logprobs(rollouts.batch), None
+        return logprobs_with_routes(self.policy, rollouts.batch, rollouts.routing)[:2]
+
+    def _train(self, train_batch, rollouts, taken):
+        """The step's stats, and the worse routing agreement with the engine of the two passes."""
+        from harness.rollout.routing import routing_agreement
+        from harness.training.routing_replay import train_with_routes
+
+        if not self.config.routing_replay:
+            return self.policy.step(train_batch), None
+        step = train_with_routes(self.policy, train_batch, rollouts.routing)
+        real = rollouts.batch.attention_mask
+        return step["stats"], min(routing_agreement(rollouts.routing, routes, real) for routes in (taken, step["routes"]))
 
     def close(self) -> None:
         for handle in (self.policy, self.reference):
@@ -172,6 +204,15 @@ class RLLoop:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def require_experts(model, hf_config) -> None:
+    """Routing replay is for MoE models: one clear error for a dense one, before any rank works."""
+    from harness.bridge.preflight import num_experts
+
+    if not num_experts(hf_config):
+        raise ValueError(f"routing replay needs a Mixture-of-Experts model: {model} is dense (no routers to "
+                         "record or replay; e.g. tiny-qwen3-moe)")
 
 
 def as_dicts(history: list[Iteration]) -> list[dict[str, Any]]:

@@ -60,6 +60,7 @@ class PolicyConfig:
     loss_kwargs: dict[str, Any] = field(default_factory=dict)  # to rl_loss
     variant: str | None = None  # a training variant of the catalog (harness.variants)
     offload_variant: str | None = None  # an offload variant of the catalog (harness.offload)
+    routing_replay: bool = False  # MoE: megatron-core's routers can replay routes (harness.training.routing_replay)
 
 
 # The training variants of the catalog (harness.variants) this worker implements.
@@ -122,7 +123,8 @@ class PolicyWorker:
         dtype = DTYPES[config.dtype]
         self.models = load_megatron_model(
             path, dtype=dtype, wrap_with_ddp=True, sequence_parallel=sequence_parallel,
-            config_overrides=dict(hidden_dropout=config.dropout, attention_dropout=config.dropout),
+            config_overrides=dict(hidden_dropout=config.dropout, attention_dropout=config.dropout,
+                                  **({"moe_enable_routing_replay": True} if config.routing_replay else {})),
             ddp_config=dict(grad_reduce_in_fp32=True, use_distributed_optimizer=True,
                             overlap_grad_reduce=False, overlap_param_gather=False,
                             average_in_collective=False))

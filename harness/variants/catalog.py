@@ -23,6 +23,9 @@ Components:
   weight-sync the policy's weights streamed into a rollout engine (harness.rollout.sync; caught
               by the engine's weights against the policy's export, harness.rollout.check)
   fp8         the FP8 forward's scaling (harness.parity.fp8; caught by FP8 vs bf16 logprobs)
+  routing-replay  MoE rollout routing replay (harness.training.routing_replay; caught by the
+              trainer's routing against the engine's and the router gradients,
+              harness.training.replay_check)
 """
 from __future__ import annotations
 
@@ -30,10 +33,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 Component = Literal["bridge", "logprobs", "precision", "training", "checkpoint", "rotation", "offload",
-                    "weight-sync", "fp8"]
+                    "weight-sync", "fp8", "routing-replay"]
 Kind = Literal["negative-control", "upstream-bug"]
 COMPONENTS: tuple[str, ...] = ("bridge", "logprobs", "precision", "training", "checkpoint", "rotation",
-                               "offload", "weight-sync", "fp8")
+                               "offload", "weight-sync", "fp8", "routing-replay")
 # Which components each check runs (the parity check covers the weights and the feeding).
 CHECKS: dict[str, tuple[str, ...]] = {
     "parity": ("bridge", "logprobs", "precision"),
@@ -43,6 +46,7 @@ CHECKS: dict[str, tuple[str, ...]] = {
     "offload": ("offload",),
     "weight-sync": ("weight-sync",),
     "fp8": ("fp8",),
+    "routing-replay": ("routing-replay",),
 }
 
 
@@ -450,6 +454,12 @@ def _needs_expert_dp_unlike_dp(layout, config) -> str | None:
     return _needs_experts(layout, config)
 
 
+def _needs_experts_under_pp(layout, config) -> str | None:
+    if layout.pp < 2:
+        return "needs pipeline parallelism (pp >= 2): only then are a stage's local layers not the global ones"
+    return _needs_experts(layout, config)
+
+
 _MOE_PARITY = (("reference", "plain"), ("dispatcher", "alltoall"))
 _MOE: tuple[Variant, ...] = (
     Variant("swapped-experts", "bridge", "negative-control",
@@ -505,6 +515,24 @@ _MOE: tuple[Variant, ...] = (
                      "harness.bridge.mbridge_compat, override 7)",
             requires=_needs_experts, default_layout="dp2", model="tiny-mixtral", dtypes=("fp32",),
             specs=("local",), options=_MOE_PARITY),
+    Variant("replay-from-zeroed-probs", "routing-replay", "upstream-bug",
+            "routing replay gathers the replayed experts' scores from the trainer's own post-top-k "
+            "probabilities (zero off its own top-k) instead of from the live router scores",
+            "a replayed expert the trainer's router did not pick gets an exact zero score: its tokens "
+            "give the router no gradient (all of it when every route drifted); routing and loss look fine",
+            "routing replay under a drifted replay: router_grad_zero_layers",
+            upstream="ISEEKYAN/Megatron-LM PR 79 (the replay of PR 49 read drifted indices from "
+                     "scatter-zeroed probs, silently killing router gradients)",
+            requires=_needs_experts, default_layout="pp2", model="tiny-qwen3-moe", dtypes=("fp32",)),
+    Variant("replay-local-layer-index", "routing-replay", "upstream-bug",
+            "the recorded routes indexed by a pipeline stage's local layer number instead of the global "
+            "one: the second stage replays the first stage's routes",
+            "every layer past the first stage routes as another layer did: wrong experts, wrong logprobs, "
+            "and a replay that claims to be on",
+            "routing replay: routing_agreement (trainer vs engine, with replay)",
+            upstream="verl issue 5037 (R3 routed-experts layer index not aligned to the global layer "
+                     "under pipeline parallelism; 5452 for PP/VPP with dense layers)",
+            requires=_needs_experts_under_pp, default_layout="pp2", model="tiny-qwen3-moe", dtypes=("fp32",)),
 )
 
 _ENTRIES = _ENTRIES + _ROTATION + _OFFLOAD + _SYNC + _FP8 + _MOE

@@ -232,9 +232,23 @@ def _fp8(variant: Variant, layout: str, dtype: str, runner: Runner) -> tuple[Run
     return run(variant.id), run(None)
 
 
+def _routing_replay(variant: Variant, layout: str, dtype: str, runner: Runner) -> tuple[Run, Run]:
+    """The engine's routes replayed by a fresh policy (harness.training.replay_check): the trainer's
+    routing against the engine's, the router grads under a drifted replay; variant and fixed path."""
+    from harness.training.replay_check import replay_check
+
+    def run(variant_id):
+        result = replay_check(runner.make_policy, layout, dtype, variant=variant_id, device=runner.device,
+                              model=variant.model)
+        return Run(result.passed, result.checks, result.summary(), result.rows())
+
+    return run(variant.id), run(None)
+
+
 _CHECKS: dict[str, Callable[[Variant, str, str, Runner], tuple[Run, Run]]] = {
     "bridge": _parity, "logprobs": _parity, "precision": _parity, "training": _training, "checkpoint": _checkpoint,
     "rotation": _crash_safety, "offload": _offload, "weight-sync": _weight_sync, "fp8": _fp8,
+    "routing-replay": _routing_replay,
 }
 
 

@@ -17,6 +17,7 @@ from harness.parity.fp8 import IMPLEMENTED as FP8
 from harness.parity.variants import IMPLEMENTED as PARITY
 from harness.rollout import IMPLEMENTED as SYNC
 from harness.training.policy import IMPLEMENTED as TRAINING
+from harness.training.routing_replay import IMPLEMENTED as ROUTING_REPLAY
 from harness.variants import CATALOG, COMPONENTS, VariantError, for_components, require
 
 MRH = [shutil.which("mrh") or f"{sys.executable} -m harness.cli"][0].split()
@@ -35,6 +36,7 @@ def test_each_component_implements_exactly_its_entries():
     assert set(OFFLOAD) == ids["offload"]
     assert set(SYNC) == ids["weight-sync"]
     assert set(FP8) == ids["fp8"]
+    assert set(ROUTING_REPLAY) == ids["routing-replay"]
 
 
 def test_every_entry_says_what_it_is():

@@ -27,13 +27,14 @@ SAME = ["tp2->tp2", "pp2->pp2", "dp2->dp2"]
 # Where each component's entries run (a variant that cannot show somewhere is left out there); a
 # machine of one GPU adds tp1, so that one GPU still shows every variant that can show there.
 WHERE = {"bridge": ["tp2", "pp2", "dp2"], "logprobs": ["tp2", "pp2", "dp2"], "precision": ["tp2"],
-         "training": ["tp2", "pp2", "dp2", "dp2ep2"], "weight-sync": ["tp2", "pp2", "dp2", "dp2ep2"], "fp8": ["tp2"]}
+         "training": ["tp2", "pp2", "dp2", "dp2ep2"], "weight-sync": ["tp2", "pp2", "dp2", "dp2ep2"], "fp8": ["tp2"],
+         "routing-replay": ["pp2"]}
 CHECKPOINT_WHERE = {"shared-adam-step": [(w, DTYPES) for w in SAME] + [("tp2->pp2", ("fp32",))],
                     "rng-not-restored": [(w, DTYPES) for w in SAME],
                     "dp-reshardable": [(w, DTYPES) for w in ("tp2->pp2", "pp2->tp2", "dp2->tp2")]}
 ONE_GPU = {"bridge": "tp1", "logprobs": "tp1", "precision": "tp1", "training": "tp1", "checkpoint": "tp1->tp1",
            "rotation": "tp1",
-           "offload": "tp1", "weight-sync": "tp1", "fp8": "tp1"}
+           "offload": "tp1", "weight-sync": "tp1", "fp8": "tp1", "routing-replay": "tp1"}
 # Rotation variants (crash trials, harness.checkpoint.crash): what they break is the order of file
 # operations, the same in either dtype; CI runs them in fp32, the nightly run in bf16 too.
 ROTATION_WHERE = [("dp2", DTYPES)]

@@ -1,0 +1,177 @@
+"""The routing-replay invariants as one check (suites/moe/test_routing_replay.py, `mrh repro` of the
+routing-replay variants).
+
+The HF engine generates from the checkpoint's weights and records its routes; a fresh policy at the
+same weights then
+  (a) replays routes that share no expert with its own routing in that step (`drifted_everywhere`:
+      the case where replay matters most) for a training step: every router's weight gets a gradient, finite and not
+      all zero in any layer (ISEEKYAN/Megatron-LM#79 reads exact zeros there);
+  (b) replays the engine's routes for a training step: the routers route every real token of
+      every layer exactly as the engine did (agreement 1.0; verl #5037 replays another stage's).
+Both claims are exact. `disagreement` measures the trainer's own routing against the engine's
+without replay (RFC #4168's figure), a plain measurement.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from harness.report import Row
+from harness.rollout.engine import Sampling
+from harness.tolerance import CheckResult, Judged, Tolerance
+
+MODEL = "tiny-qwen3-moe"
+CONFIG = dict(lr=1e-3, micro_batches=2, routing_replay=True)
+SAMPLING = Sampling(n=2, max_tokens=5, seed=3)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+BOUNDS = {
+    "routing_agreement": Tolerance("routing_agreement", "any", 1.0, kind="min", ideal=1.0, rationale=(
+        "exact: with replay every (real token, layer) top-k set of the trainer is the engine's")),
+    "router_grad_zero_layers": Tolerance("router_grad_zero_layers", "any", 0.0, rationale=(
+        "exact: no layer's router weight gradient is all zero under a drifted replay")),
+    "drifted_shared_experts": Tolerance("drifted_shared_experts", "any", 0.0, rationale=(
+        "exact: the drifted replay shares no expert with the router's own pick in the step (the "
+        "premise of the router-gradient check)")),
+    "router_grad_nonfinite": Tolerance("router_grad_nonfinite", "any", 0.0, rationale=(
+        "exact: every router weight gradient element is finite")),
+}
+
+
+@dataclass
+class ReplayResult(Judged):
+    layout: str
+    dtype: str
+    device: str
+    variant: str | None
+    model: str
+    checks: list[CheckResult] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    router_grad_norm: float = 0.0
+
+    def check(self, metric: str, value: float, detail: str = "") -> None:
+        self.judge(metric, value, BOUNDS[metric], f"{metric}={value:g}" + (f" ({detail})" if detail else ""))
+
+    def rows(self, **fields: Any) -> list[Row]:
+        return self.check_rows(self.layout, self.model, **fields, variant=self.variant)
+
+    def summary(self) -> str:
+        what = f"{self.model} {self.layout} {self.dtype}" + (f" variant={self.variant}" if self.variant else "")
+        return f"{what}: " + ("; ".join(self.failures) if self.failures else
+                              f"replays the engine's routes exactly; router grad norm {self.router_grad_norm:.3g}")
+
+
+def prompts(vocab_size: int, count: int = 4, seed: int = 7) -> list[list[int]]:
+    """`count` prompts of 3..8 random token ids (never 0, the pad id): rows of unequal length, so the
+    left padding the trainer moves right is exercised."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 9, (count,), generator=g)
+    return [torch.randint(1, vocab_size, (int(n),), generator=g).tolist() for n in lengths]
+
+
+def rollout_batch(rollouts, seed: int = 0):
+    """The rollouts as a training batch: random advantages on the response tokens (what replay must
+    get right does not depend on them), the engine's logprobs as the behaviour policy's."""
+    from harness.training.rl_data import RLTrainBatch
+
+    batch = rollouts.batch
+    g = torch.Generator().manual_seed(seed)
+    advantages = torch.randn(batch.batch_size, 1, generator=g).expand(batch.input_ids.shape)
+    mask = batch.response_mask & batch.logprob_mask()
+    return RLTrainBatch(batch, torch.where(mask, advantages, 0.0), rollouts.logprobs, rollouts.logprobs)
+
+
+def own_routes(policy, batch) -> torch.Tensor:
+    """The routes the policy's routers take on `batch` by themselves (its logprob forward)."""
+    from harness.training.routing_replay import logprobs_with_routes
+
+    return logprobs_with_routes(policy, batch, None)[1]
+
+
+def drifted_everywhere(policy, batch, num_experts: int, variant: str | None = None) -> torch.Tensor:
+    """Routes that share no expert with what the policy's router would pick by itself, in every
+    layer of the forward that replays them (with `variant`'s arithmetic). Built a layer at a time (a
+    replayed layer changes what the later ones see): pass l replays the routes so far and drifts
+    layer l from its own pick; the micro-batches are the training step's (`CONFIG`)."""
+    from harness.rollout.routing import drifted
+    from harness.training.routing_replay import logprobs_with_routes
+
+    def own(routes):
+        return logprobs_with_routes(policy, batch, routes, variant, micro_batches=CONFIG["micro_batches"])[2]
+
+    routes = drifted(own(None), num_experts)
+    for layer in range(1, routes.shape[2]):
+        routes = torch.cat([routes[:, :, :layer], drifted(own(routes), num_experts)[:, :, layer:]], dim=2)
+    return routes
+
+
+def shared_experts(routes: torch.Tensor, own: torch.Tensor, real: torch.Tensor) -> float:
+    """The fraction of (real token, layer) pairs whose replayed top-k shares an expert with the
+    router's own pick."""
+    overlap = (routes.unsqueeze(-1) == own.unsqueeze(-2)).any(-1).any(-1)  # [B, S, L]
+    return float(overlap[real].float().mean())
+
+
+def replay_check(make_policy: Callable[..., Any], layout: str, dtype: str = "fp32", *, variant: str | None = None,
+                 device: str = "cpu", model: str = MODEL) -> ReplayResult:
+    """(a) and (b) on a fresh policy and an HF engine at the checkpoint's weights; closes the policy."""
+    from harness.bridge.preflight import num_experts
+    from harness.models import load_hf_config
+    from harness.parallel.layout import parse_layout
+    from harness.rollout.hf_engine import HFEngine
+    from harness.rollout.routing import routing_agreement
+    from harness.training.routing_replay import train_with_routes
+    from harness.variants import require
+
+    config = load_hf_config(model)
+    require(variant, check="routing-replay", layout=parse_layout(str(layout)), config=config)
+    result = ReplayResult(str(layout), dtype, device, variant, model)
+    engine = HFEngine(model, dtype=DTYPES[dtype], device="cuda" if device == "cuda" else "cpu")
+    rollouts = engine.generate(prompts(config.vocab_size), SAMPLING, routing=True)
+    real = rollouts.batch.attention_mask
+    train_batch = rollout_batch(rollouts)
+    policy = make_policy(layout, model, **CONFIG, dtype=dtype)
+    try:
+        away = drifted_everywhere(policy, rollouts.batch, num_experts(config), variant)
+        step = train_with_routes(policy, train_batch, away, variant)
+        result.check("drifted_shared_experts", shared_experts(away, step["own"], real))
+        grads = step["grads"]
+        result.router_grad_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())))
+        zero = [layer for layer, g in grads.items() if not bool(g.ne(0).any())]
+        result.check("router_grad_zero_layers", len(zero), f"layers {zero}" if zero else "")
+        result.check("router_grad_nonfinite", int(sum((~torch.isfinite(g)).sum() for g in grads.values())))
+        replayed = train_with_routes(policy, train_batch, rollouts.routing, variant)["routes"]
+        result.check("routing_agreement", routing_agreement(rollouts.routing, replayed, real))
+    finally:
+        policy.close()
+    return result
+
+
+def disagreement(make_policy: Callable[..., Any], layout: str, dtype: str, *, model: str = MODEL,
+                 device: str = "cpu") -> dict[str, float]:
+    """Engine and trainer at the checkpoint's weights in `dtype`, the trainer's logprob forward on the
+    engine's rollouts: without replay, the fraction of (real token, layer) top-k sets where its own
+    routing differs from the engine's, and of real tokens routed differently in at least one layer
+    (RFC #4168's two figures); with replay, the agreement (1.0 when replay works)."""
+    from harness.models import load_hf_config
+    from harness.rollout.hf_engine import HFEngine
+    from harness.rollout.routing import routing_agreement
+    from harness.training.routing_replay import logprobs_with_routes
+
+    config = load_hf_config(model)
+    engine = HFEngine(model, dtype=DTYPES[dtype], device="cuda" if device == "cuda" else "cpu")
+    rollouts = engine.generate(prompts(config.vocab_size, count=8), SAMPLING, routing=True)
+    policy = make_policy(layout, model, dtype=dtype, routing_replay=True)
+    try:
+        mine = own_routes(policy, rollouts.batch)
+        replayed = logprobs_with_routes(policy, rollouts.batch, rollouts.routing)[1]
+    finally:
+        policy.close()
+    real = rollouts.batch.attention_mask
+    differs = (rollouts.routing.sort(-1).values != mine.sort(-1).values).any(-1)  # [B, S, L]
+    return {"routing_disagreement": float(differs[real].float().mean()),
+            "tokens_routed_differently": float(differs.any(-1)[real].float().mean()),
+            "routed_pairs": int(differs[real].numel()),
+            "routing_agreement": routing_agreement(rollouts.routing, replayed, real)}
