@@ -18,6 +18,18 @@ models and the Qwen3-0.6B shape, CPU and H100):
    partials in rank order. For t <= 2 that is Megatron's arithmetic whatever order the collective
    adds in (a + b == b + a); for t > 2 the backend's ring or tree order cannot be reproduced, and
    parity there is only approximate (see `harness.parity.tolerances.regime`).
+4. Mixture-of-Experts layers (megatron-core's TopKRouter and SequentialMLP, the local spec):
+   - the router's logits in the activation dtype (HF's too: no `moe_router_dtype` is set by
+     either bridge for Qwen3-MoE or Mixtral), the top-k taken on the logits and the softmax over
+     the k chosen ones in float32, then rounded to the activation dtype (HF: a softmax over every
+     expert, the top-k of it renormalised in float32: the same weights up to an ulp);
+   - each expert applies its routing weight to the activation, before linear_fc2 (MLP's
+     `per_token_scale`), rounded there; HF scales the expert's output after down_proj;
+   - linear_fc2 under the experts' tensor parallelism e sums e rounded partial outputs per
+     expert (the alltoall dispatcher's reduce-scatter, before the experts' outputs of a token are
+     summed: `MoEAlltoAllTokenDispatcher.combine_preprocess`);
+   - a token's experts' outputs are summed into zeros in the activation dtype in expert order
+     (`unpermute`'s scatter_add, HF's index_add_: the same).
 
 The norms are matched the other way round: the harness's own local-spec RMSNorm rounds as HF does
 (harness.bridge.norms). In float32 the arrangements change nothing measurable (~1e-7).
@@ -99,16 +111,69 @@ class MegatronRoundedLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
-def arrange_like_megatron(model: nn.Module, *, tp: int = 1) -> nn.Module:
-    """Arrange an HF Llama/Qwen2/Qwen3 causal LM (in place) to round where Megatron's local spec
-    does under tensor parallelism `tp` (see the module docstring). Returns the model."""
-    if tp < 1:
-        raise ValueError(f"tp must be >= 1, got {tp}")
+class MegatronRoundedMoE(nn.Module):
+    """An HF sparse MoE block (Qwen3-MoE's or Mixtral's: `gate.weight`, `experts.gate_up_proj`
+    [experts, 2 x width, hidden], `experts.down_proj` [experts, hidden, width]) computed as
+    megatron-core's router and SequentialMLP compute it (module docstring, 4), linear_fc2 split
+    over `partitions` (the experts' tensor parallelism)."""
+
+    def __init__(self, block: nn.Module, partitions: int = 1) -> None:
+        super().__init__()
+        experts = block.experts
+        width = experts.down_proj.shape[-1]
+        if width % partitions:
+            raise ValueError(f"expert width {width} does not split into {partitions} shards")
+        self.gate, self.experts, self.top_k = block.gate, experts, block.gate.top_k
+        self.partitions = partitions
+
+    def _expert(self, e: int, tokens: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(tokens, self.experts.gate_up_proj[e]).chunk(2, dim=-1)
+        hidden = (self.experts.act_fn(gate) * up * weights.unsqueeze(-1)).to(tokens.dtype)
+        down, width = self.experts.down_proj[e], hidden.shape[-1] // self.partitions
+        out = None
+        for r in range(self.partitions):  # rank order; a + b == b + a for two
+            part = F.linear(hidden[:, r * width:(r + 1) * width].contiguous(),
+                            down[:, r * width:(r + 1) * width].contiguous())
+            out = part if out is None else out + part
+        return out
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        tokens = hidden_states.reshape(-1, shape[-1])
+        logits = F.linear(tokens, self.gate.weight)
+        top, chosen = torch.topk(logits, k=self.top_k, dim=1)
+        weights = torch.softmax(top, dim=-1, dtype=torch.float32).type_as(logits)
+        out = torch.zeros_like(tokens)
+        for e in range(self.experts.gate_up_proj.shape[0]):
+            rows, slot = torch.where(chosen == e)
+            if rows.numel():
+                out.index_add_(0, rows, self._expert(e, tokens[rows], weights[rows, slot]))
+        return out.reshape(shape)
+
+
+def _is_sparse_block(mlp: nn.Module) -> bool:
+    experts = getattr(mlp, "experts", None)
+    return hasattr(getattr(mlp, "gate", None), "top_k") and hasattr(experts, "gate_up_proj")
+
+
+def arrange_like_megatron(model: nn.Module, *, tp: int = 1, expert_tp: int | None = None) -> nn.Module:
+    """Arrange an HF Llama/Qwen2/Qwen3 (or Qwen3-MoE/Mixtral) causal LM (in place) to round where
+    Megatron's local spec does under tensor parallelism `tp` and the experts' tensor parallelism
+    `expert_tp` (default `tp`) (see the module docstring). Returns the model."""
+    expert_tp = tp if expert_tp is None else expert_tp
+    if tp < 1 or expert_tp < 1:
+        raise ValueError(f"tp and expert_tp must be >= 1, got {tp} and {expert_tp}")
     _register_attention()
     model.set_attn_implementation(ATTENTION)
     layers = model.model.layers
     for layer in layers:
+        sparse = getattr(layer, "mlp", None)
+        sparse = sparse if sparse is not None and _is_sparse_block(sparse) else None
+        if sparse is not None:
+            layer.mlp = MegatronRoundedMoE(sparse, expert_tp)
         for path, partitions in [(p, 1) for p in _COLUMN_PARALLEL] + [(p, tp) for p in _ROW_PARALLEL]:
+            if sparse is not None and path.startswith("mlp."):
+                continue
             parent_name, name = path.split(".")
             parent = getattr(layer, parent_name)
             linear = getattr(parent, name, None)

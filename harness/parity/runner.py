@@ -106,10 +106,12 @@ def _micro_batches(case: ParityCase, layout: Layout, rows_per_dp: int) -> int:
 
 # ----------------------------------------------------------------------------- rank-side
 def _hf_reference(path: str, dtype: torch.dtype, batch: RLBatch, arranged_tp: int | None,
-                  rows_per_forward: int | None, compute: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """HF logprobs and top-1: arranged to round like Megatron at TP `arranged_tp`, one forward per
-    `rows_per_forward` rows as Megatron's micro-batches; or plain eager HF when None. `compute`:
-    compute in that dtype on the weights rounded to `dtype` (the fp32 evaluation of a bf16 model)."""
+                  rows_per_forward: int | None, expert_tp: int | None = None,
+                  compute: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF logprobs and top-1: arranged to round like Megatron at TP `arranged_tp` (the experts' at
+    `expert_tp`), one forward per `rows_per_forward` rows as Megatron's micro-batches; or plain
+    eager HF when None. `compute`: compute in that dtype on the weights rounded to `dtype` (the
+    fp32 evaluation of a bf16 model)."""
     from harness.launch import context
     from harness.logprobs.arithmetic import arrange_like_megatron
     from harness.logprobs.hf import hf_token_outputs
@@ -120,7 +122,7 @@ def _hf_reference(path: str, dtype: torch.dtype, batch: RLBatch, arranged_tp: in
         model = model.to(compute)
     model = model.to(context().device)
     if arranged_tp is not None:
-        arrange_like_megatron(model, tp=arranged_tp)
+        arrange_like_megatron(model, tp=arranged_tp, expert_tp=expert_tp)
     device_batch = batch.to(context().device)
     with torch.no_grad():
         logprobs, top1 = hf_token_outputs(model, device_batch, micro_batch_size=rows_per_forward)
@@ -154,8 +156,8 @@ def _rank_parity(layout: Layout, path: str, dtype: torch.dtype, batch: RLBatch, 
     else:
         del models
     want_hf = want_hf and dist.get_rank() == 0
-    hf = _hf_reference(path, dtype, batch, *(arranged or (None, None))) if want_hf else None
-    hf_fp32 = (_hf_reference(path, dtype, batch, *(arranged or (None, None)), compute=torch.float32)
+    hf = _hf_reference(path, dtype, batch, *(arranged or (None, None, None))) if want_hf else None
+    hf_fp32 = (_hf_reference(path, dtype, batch, *(arranged or (None, None, None)), compute=torch.float32)
                if want_hf and fp32_eval else None)
     gc.collect()
     if torch.cuda.is_initialized():
@@ -219,9 +221,6 @@ def run_parity(world, case: ParityCase, *, device: str | None = None, batch: RLB
     validate(layout, world.size, config)
     from harness.bridge.preflight import num_experts
 
-    if num_experts(config) and case.reference == "arranged":
-        raise ValueError(f"{case.model}: the arranged reference reproduces dense MLPs' rounding only; a MoE "
-                         "model is compared with reference='plain' (the fp32 bounds hold in either regime)")
     if case.dispatcher is not None and not num_experts(config):
         raise ValueError(f"{case.model} has no experts: a token dispatcher applies to MoE models only")
     check_variant(case.variant, layout, config)
@@ -232,11 +231,14 @@ def run_parity(world, case: ParityCase, *, device: str | None = None, batch: RLB
     spec = resolve_spec(world.spec)  # the world's ranks build the model on it
     norm_precision = resolve_norm_precision(case.norm_precision, spec)
     packing = FORCED_PACKING.get(case.variant, case.packing)
-    arithmetic = regime(layout, reference=case.reference, spec=spec, norm_precision=norm_precision, packing=packing)
+    arithmetic = regime(layout, reference=case.reference, spec=spec, norm_precision=norm_precision, packing=packing,
+                        dispatcher=_dispatcher(case, config))
     # The arranged reference rounds its row-parallel sums like the layout's TP, and runs one forward
     # per Megatron micro-batch: cuBLAS picks its bf16 GEMM by shape, so a whole-batch reference
     # differs from dp2/pp2 micro-batches (H200, qwen3-0.6b-shape bf16: max |d| 0.047 vs 9.5e-7).
-    arranged = (layout.tp, batch.batch_size // layout.dp // micro) if case.reference == "arranged" else None
+    # A MoE model's experts round their linear_fc2 under their own tensor parallelism (etp).
+    arranged = ((layout.tp, batch.batch_size // layout.dp // micro, layout.expert_tp)
+                if case.reference == "arranged" else None)
     fp32_eval = case.fp32_eval if case.fp32_eval is not None else (case.dtype == "bf16" and arithmetic == "approximate")
     if fp32_eval and case.dtype != "bf16":
         raise ValueError("fp32_eval evaluates a bf16 model's state in fp32: the case must be bf16")
@@ -269,6 +271,13 @@ def run_parity(world, case: ParityCase, *, device: str | None = None, batch: RLB
                           evaluated_in=evaluated_in)
     result.rows = _rows(result, suite, test, str(case.model))
     return result
+
+
+def _dispatcher(case: ParityCase, config) -> str | None:
+    """A MoE model's token dispatcher as the ranks will run it (the bridges' default: alltoall)."""
+    from harness.bridge.preflight import num_experts
+
+    return (case.dispatcher or "alltoall") if num_experts(config) else None
 
 
 def _batch_key(batch: RLBatch) -> int:

@@ -131,13 +131,18 @@ FP8 = ToleranceTable("fp8", _FP8_TABLE)
 
 
 def regime(layout, *, reference: str = "arranged", spec: str = "local",
-           norm_precision: str = "hf", packing: str = "right") -> str:
+           norm_precision: str = "hf", packing: str = "right", dispatcher: str | None = None) -> str:
     """"exact" when the HF reference reproduces every rounding of the Megatron forward under
     `layout` (see the module docstring), else "approximate". Packed sequences are one long row per
     micro-batch: other GEMM shapes than the reference's rows, so other bf16 roundings (CPU,
-    tiny-qwen3, tp2: max |d| 0.044)."""
+    tiny-qwen3, tp2: max |d| 0.044). A MoE model (`dispatcher` given) adds its experts' tensor
+    parallelism: the reference sums an expert's etp partials before the token's experts, as the
+    alltoall dispatcher does; the allgather one sums each rank's experts first, which matches only
+    without partials (etp 1)."""
+    expert_tp = getattr(layout, "expert_tp", layout.tp)
+    experts_exact = dispatcher is None or expert_tp == 1 or (dispatcher == "alltoall" and expert_tp <= 2)
     exact = (reference == "arranged" and spec == "local" and norm_precision == "hf" and layout.tp <= 2
-             and packing in ("right", "none"))
+             and packing in ("right", "none") and experts_exact)
     return "exact" if exact else "approximate"
 
 
