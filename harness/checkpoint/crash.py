@@ -38,6 +38,7 @@ from typing import Any
 
 from harness.checkpoint.faults import (ENV, FaultPlan, append_record, dying, kill_session, read_records,
                                       session_pids)
+from harness.checkpoint.resume_check import MODEL as _DEFAULT_MODEL
 from harness.launch import forkserver
 
 FAULT_ITERATION = 3  # the save a named fault point applies to: two saves exist before it, and
@@ -54,12 +55,13 @@ class CrashConfig:
     variant: str | None = None
     dtype: str = "fp32"
     spec: str = "local"  # the layer spec of the job's models (harness.bridge.specs)
+    model: str = _DEFAULT_MODEL  # the zoo model it trains (a MoE model too: suites/moe/test_checkpoint.py)
 
     @property
     def name(self) -> str:
         mode = "async" if self.async_save else "sync"
         return (f"{mode}-keep{self.keep}" + ("" if self.dtype == "fp32" else f"-{self.dtype}")
-                + (f"-{self.variant}" if self.variant else ""))
+                + (f"-{self.variant}" if self.variant else "") + ("" if self.model == _DEFAULT_MODEL else f"-{self.model}"))
 
     @property
     def policy_config(self) -> dict[str, Any]:
@@ -149,11 +151,11 @@ def _drive(config: dict[str, Any], root: str, events: str, plan: dict[str, Any] 
 
 def _train_and_save(cfg: CrashConfig, world, root: str, events: str) -> None:
     from harness.checkpoint.checkpointer import Checkpointer
-    from harness.checkpoint.resume_check import MODEL, train_batch
+    from harness.checkpoint.resume_check import train_batch
     from harness.training.handles import PolicyHandle
 
     world.start()
-    policy = PolicyHandle(world, cfg.layout, MODEL, **cfg.policy_config)
+    policy = PolicyHandle(world, cfg.layout, cfg.model, **cfg.policy_config)
     ckpt = Checkpointer(policy, root, keep=cfg.keep, async_save=cfg.async_save, variant=cfg.variant)
     _event(events, event="ready", pid=os.getpid(), ranks=world.pids, workdir=world.workdir)
     reported = 0
@@ -285,9 +287,9 @@ class Uninterrupted:
 
 
 def uninterrupted(make_policy, config: CrashConfig) -> Uninterrupted:
-    from harness.checkpoint.resume_check import MODEL, train_batch
+    from harness.checkpoint.resume_check import train_batch
 
-    policy = make_policy(config.layout, MODEL, **config.policy_config)
+    policy = make_policy(config.layout, config.model, **config.policy_config)
     try:
         stats, states = [], []
         for step in range(config.steps + 1):
@@ -312,13 +314,12 @@ class Verdict:
         return not self.failures
 
     def rows(self, **extra: Any):
-        from harness.checkpoint.resume_check import MODEL
         from harness.report import Row
 
         o = self.outcome
         return [Row(suite="", test="", layout=o.config.layout, metric=c.metric, value=c.value,
                     tolerance=c.tolerance.limit, passed=c.passed, claim=c.claim, device=o.config.device,
-                    model=MODEL, dtype=o.config.dtype,
+                    model=o.config.model, dtype=o.config.dtype,
                     extra=dict(extra, config=o.config.name, crash=o.how, variant=o.config.variant,
                                tolerance_kind=c.tolerance.kind, resumed=self.resumed))
                 for c in self.checks]
@@ -336,7 +337,7 @@ def judge(outcome: Outcome, reference: Uninterrupted, make_policy, *, resident=N
     whole state) or on a new policy from `make_policy`."""
     from harness.checkpoint.checkpointer import Checkpointer
     from harness.checkpoint.errors import CheckpointError
-    from harness.checkpoint.resume_check import MODEL, next_step_diffs, train_batch
+    from harness.checkpoint.resume_check import next_step_diffs, train_batch
     from harness.checkpoint.root import CheckpointRoot, NothingToResume
     from harness.checkpoint.tolerances import crash_tolerance
     from harness.tolerance import CheckResult
@@ -367,7 +368,7 @@ def judge(outcome: Outcome, reference: Uninterrupted, make_policy, *, resident=N
           f"saves {finalized} finalized, yet no complete checkpoint is left")
     check("orphan_processes", len(outcome.orphans), f"processes outlived the job: {outcome.orphans}")
     if complete or finalized:
-        policy = resident or make_policy(outcome.config.layout, MODEL, **outcome.config.policy_config)
+        policy = resident or make_policy(outcome.config.layout, outcome.config.model, **outcome.config.policy_config)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # passing over a damaged newest one is expected here
@@ -406,7 +407,7 @@ def cached_trial(cache: dict, config: CrashConfig, workdir: str | os.PathLike, m
     the policy the resume loads into, called only when a trial runs."""
     key = ("verdict", config, tuple(sorted(how.items())))
     if key not in cache:
-        ref_key = ("reference", config.layout, config.device, config.dtype, config.spec)
+        ref_key = ("reference", config.layout, config.device, config.dtype, config.spec, config.model)
         if ref_key not in cache:
             cache[ref_key] = uninterrupted(make_policy, config)
         label = "-".join(str(v) for v in how.values()) or "clean"

@@ -52,18 +52,21 @@ class Uninterrupted:
     next_step: dict[str, Any]
     next_state: dict[str, torch.Tensor]
     manifest: Any
+    model: str = MODEL
 
 
 def train_and_save(make_policy: Callable, layout: str, directory: str | Path, *,
-                   optimizer_format: str = "fully_reshardable", **config: Any) -> Uninterrupted:
-    """K_STEPS steps at `layout`, saved to `directory`, then the next step without stopping.
-    `make_policy(layout, model, **config)` builds a PolicyHandle (the `policy` fixture does)."""
+                   optimizer_format: str = "fully_reshardable", model: str = MODEL,
+                   **config: Any) -> Uninterrupted:
+    """K_STEPS steps of `model` at `layout`, saved to `directory`, then the next step without
+    stopping. `make_policy(layout, model, **config)` builds a PolicyHandle (the `policy` fixture does)."""
     config = {**CONFIG, **config}
-    source = make_policy(layout, MODEL, **config)
+    source = make_policy(layout, model, **config)
     source.steps([train_batch(i) for i in range(K_STEPS)])
     manifest = source.save(directory, optimizer_format=optimizer_format)
     next_step = source.step(train_batch(K_STEPS))
-    uninterrupted = Uninterrupted(layout, config, Path(directory), next_step, source.hf_state_dict(), manifest)
+    uninterrupted = Uninterrupted(layout, config, Path(directory), next_step, source.hf_state_dict(), manifest,
+                                model)
     source.close()
     return uninterrupted
 
@@ -79,10 +82,11 @@ class ResumeResult(Judged):
     failures: list[str] = field(default_factory=list)
     load_error: str | None = None  # what the load raised, if it did
     load: dict[str, Any] = field(default_factory=dict)  # load_checkpoint's info when it loaded
+    model: str = MODEL
 
     def rows(self, **fields: Any) -> list[Row]:
         regime = "same-layout" if self.same_layout else "other-layout"
-        return self.check_rows(self.pair, MODEL, **fields, variant=self.variant, regime=regime)
+        return self.check_rows(self.pair, self.model, **fields, variant=self.variant, regime=regime)
 
     def summary(self) -> str:
         what = f"{self.pair} {self.dtype}" + (f" variant={self.variant}" if self.variant else "")
@@ -103,9 +107,10 @@ def resume_and_compare(make_policy: Callable, source: Uninterrupted, target_layo
     """Resume `source` at `target_layout` (loading with `variant`, if any) and compare its next step
     with the uninterrupted one's. `after_load(handle)` runs between the load and the step (e.g. to
     re-save the loaded state, or to disturb the process's RNG)."""
-    target = make_policy(target_layout, MODEL, **source.config)
+    target = make_policy(target_layout, source.model, **source.config)
     result = ResumeResult(f"{source.layout}->{target_layout}", source.config.get("dtype", "fp32"),
-                          target.world.device, variant, same_layout=str(target.layout) == source.layout)
+                          target.world.device, variant, same_layout=str(target.layout) == source.layout,
+                          model=source.model)
     before = target.hf_state_dict()
     try:
         result.load = target.load(source.directory, variant=variant, load_rng=load_rng)

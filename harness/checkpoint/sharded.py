@@ -14,6 +14,49 @@ from typing import Any
 OPTIMIZER_FORMATS = ("fully_reshardable", "dp_reshardable")
 
 
+def optimizer_metadata(optimizer_format: str) -> dict[str, Any]:
+    """The sharded-state-dict metadata of the optimizer (and the checkpoint's content metadata).
+    `chained_optim_avoid_prefix`, as Megatron-LM's and Megatron-Bridge's trainers set it: without
+    it a ChainedOptimizer prefixes its state keys with its index (`chained_1.optimizer.state...`),
+    and a MoE policy has one optimizer at ep1 but two at ep >= 2 (dense, expert-parallel), so a
+    fully_reshardable checkpoint saved at ep2 misses every key at ep1 and the other way round
+    (found here: suites/moe/test_checkpoint.py). The dp_reshardable format keeps the prefix
+    either way (megatron-core adds it for every non-fully-reshardable format)."""
+    return {"distrib_optim_sharding_type": optimizer_format, "chained_optim_avoid_prefix": True}
+
+
+def regroup_optimizer_state(loaded: dict[str, Any], optimizers: int) -> dict[str, Any]:
+    """The loaded optimizer state, shaped for a ChainedOptimizer of `optimizers` optimizers.
+
+    A MoE policy has one optimizer at ep1 and two at ep >= 2 (dense, expert-parallel): megatron-core
+    saves a chained optimizer's plain state (param groups, step flags) as {0: ..., 1: ...} and a
+    single one's flat, and keys its param groups by `is_expert_parallel` (True only at ep >= 2).
+    dist_checkpointing merges the checkpoint's plain state with the target's tensors as they come,
+    so across ep1 <-> ep2 `load_state_dict` misses its "optimizer" entry (ep2 -> ep1) or its groups
+    (ep1 -> ep2), although the fully_reshardable tensors themselves load (with
+    `chained_optim_avoid_prefix`). The hyperparameters of a group do not depend on the layout: each
+    target optimizer gets every saved group, under both values of `is_expert_parallel`."""
+    indices = sorted(k for k in loaded if isinstance(k, int))
+    saved_single = "optimizer" in loaded  # a single optimizer's plain state sits at the top level
+    if saved_single == (optimizers == 1):
+        return loaded
+    saved = [loaded] if saved_single else [loaded[i] for i in indices]
+    rest = {k: v for k, v in loaded.items() if not isinstance(k, int)}
+    plain = {k: v for k, v in saved[0].items() if k != "optimizer"}
+    groups = [g for part in saved for g in part["optimizer"]["param_groups"]]
+    groups = [dict(g, is_expert_parallel=flag) for g in groups for flag in (False, True)]
+    inner = {**saved[0]["optimizer"], "param_groups": groups}
+
+    def one(tensors: dict[str, Any]) -> dict[str, Any]:
+        tensors = {k: v for k, v in tensors.items() if k != "optimizer"}
+        return {**plain, **tensors, "optimizer": inner}
+
+    if optimizers == 1:  # saved chained (ep >= 2), loading at ep1: the tensors sit at the top level
+        return one(rest)
+    # saved single (ep1), loading chained: the tensors sit under each optimizer's index
+    return {i: one(loaded[i]) for i in range(optimizers)}
+
+
 def model_keys(chunks: int) -> list[str]:
     """Megatron-LM's keys: "model", or "model0", "model1", ... with virtual pipeline chunks."""
     return ["model"] if chunks == 1 else [f"model{i}" for i in range(chunks)]
@@ -53,7 +96,7 @@ def save_sharded(saver, state: dict[str, Any], directory: str, optimizer_format:
     """Write this rank's part of `state` (every rank at once) through `saver`
     (harness.checkpoint.async_save.RankSaver): inline, or scheduled with async_save."""
     return saver.save(state, directory, strategy=save_strategy(fully_parallel),
-               content_metadata={"distrib_optim_sharding_type": optimizer_format}, async_save=async_save,
+               content_metadata=optimizer_metadata(optimizer_format), async_save=async_save,
                iteration=iteration, allow_overlap=allow_overlap)
 
 

@@ -31,8 +31,8 @@ from typing import Any, Iterator
 
 import torch
 
-from harness.checkpoint.sharded import OPTIMIZER_FORMATS, load_sharded, model_keys, rng_sharded_object, \
-    save_sharded
+from harness.checkpoint.sharded import OPTIMIZER_FORMATS, load_sharded, model_keys, optimizer_metadata, \
+    regroup_optimizer_state, rng_sharded_object, save_sharded
 from harness.parallel.state import DEFAULT_SEED
 from harness.training.loss import loss_counts, rl_loss
 from harness.training.rl_data import RLTrainBatch
@@ -416,7 +416,7 @@ class PolicyWorker:
         if len(chunks) > 1:
             ps.set_virtual_pipeline_model_parallel_rank(0)
         state["optimizer"] = self.optimizer.sharded_state_dict(
-            state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": optimizer_format})
+            state, is_loading=is_loading, metadata=optimizer_metadata(optimizer_format))
         state["scheduler"] = self.scheduler.state_dict()
         state["position"] = self.position()
         if with_rng:
@@ -492,7 +492,9 @@ class PolicyWorker:
         chunks = self._chunks()
         for name, chunk in zip(model_keys(len(chunks)), chunks):
             chunk.load_state_dict(loaded[name])
-        load_optimizer_state_dict(self.optimizer, loaded["optimizer"], unshare_steps=unshare_adam_steps)
+        optimizer_state = regroup_optimizer_state(
+            loaded["optimizer"], len(getattr(self.optimizer, "chained_optimizers", [self.optimizer])))
+        load_optimizer_state_dict(self.optimizer, optimizer_state, unshare_steps=unshare_adam_steps)
         self.scheduler.load_state_dict(loaded["scheduler"])
         self.steps_done = int(loaded["position"]["steps_done"])
         self.consumed_samples = int(loaded["position"]["consumed_samples"])
