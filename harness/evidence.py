@@ -21,6 +21,7 @@ H200X2_RL = "reports/gpu/2026-11-23-h200x2-rl/rl/results.json"
 H200X2_PARITY = "reports/gpu/2026-11-23-h200x2/fixes/run/results.json"
 H200X2_RUN = "reports/gpu/2026-11-23-h200x2/parity-training-sensitivity/run/results.json"
 H100_FP8 = "reports/gpu/2026-11-24-h100-fp8/measure/fp8.json"
+CPU_MOE_PARITY = "reports/cpu/2026-11-26-moe-parity/run/results.json"
 
 NOTES = {
     CPU_BASELINE: "CPU/gloo baseline (make test)",
@@ -34,6 +35,9 @@ NOTES = {
     H200X2_PARITY: "2x H200, NCCL, the parity suite at every 1- and 2-rank layout (issue 11 run, 42c57bf)",
     H200X2_RUN: "2x H200, NCCL, the training suite at every 1- and 2-rank layout (issue 11 run, 9ef6392)",
     H100_FP8: "1x H100, TE 2.20.2, FP8 vs bf16 logprobs at tp1 (tiny-qwen3/qwen2/llama, delayed and tensorwise; issue 24 run)",
+    CPU_MOE_PARITY: "CPU/gloo, suites/moe/test_parity.py with the nightly sweeps: tiny-qwen3-moe and tiny-mixtral, "
+                    "fp32 and bf16, arranged reference, at tp1/dp2ep2/tp2-sp/tp2ep2etp1-sp/pp2 and dp4ep2/dp4ep4/"
+                    "tp2ep2etp1dp2-sp/pp2ep2dp2, both dispatchers (issue 26 run, c787440)",
 }
 
 

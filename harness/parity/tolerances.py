@@ -16,7 +16,7 @@ measured for it.
 """
 from __future__ import annotations
 
-from harness.evidence import CPU_BASELINE, H100_FP8, H100_TP1, H200X2_PARITY, cite
+from harness.evidence import CPU_BASELINE, CPU_MOE_PARITY, H100_FP8, H100_TP1, H200X2_PARITY, cite
 from harness.tolerance import CheckResult, Evidence, Tolerance, ToleranceTable, dtype_key
 
 __all__ = ["CheckResult", "Evidence", "FP8", "TABLE", "Tolerance", "all_tolerances", "check",
@@ -24,11 +24,11 @@ __all__ = ["CheckResult", "Evidence", "FP8", "TABLE", "Tolerance", "all_toleranc
 
 
 def _evidence(metric: str, dtype: str, regime: str, figures: dict[str, float],
-              statistic: str = "max", digits: int = 2) -> tuple[Evidence, ...]:
+              statistic: str = "max", digits: int = 2, suite: str = "parity") -> tuple[Evidence, ...]:
     """The parity suite's rows of correct models (no variant; hypothesis-generated batches left
     out, as they change from run to run) that a bound covers: of its regime, or of every regime
-    for an "any" bound."""
-    where = (("suite", "parity"), ("metric", metric), ("dtype", dtype), ("extra.variant", None),
+    for an "any" bound. `suite="moe"`: the MoE models' parity rows (suites/moe)."""
+    where = (("suite", suite), ("metric", metric), ("dtype", dtype), ("extra.variant", None),
              ("extra.generated", None))
     return cite(where if regime == "any" else where + (("extra.regime", regime),), figures, statistic, digits)
 
@@ -39,12 +39,14 @@ _TABLE: tuple[Tolerance, ...] = (
               rationale="1.7x the worst measured (the Qwen3-0.6B shape on an H100; tiny models on "
                         "CPU 2.9e-6)",
               evidence=_evidence("max_abs", "fp32", "any",
-                                 {CPU_BASELINE: 2.9e-06, H100_TP1: 5.7e-06, H200X2_PARITY: 5.7e-06})),
+                                 {CPU_BASELINE: 2.9e-06, H100_TP1: 5.7e-06, H200X2_PARITY: 5.7e-06})
+              + _evidence("max_abs", "fp32", "any", {CPU_MOE_PARITY: 9.5e-07}, suite="moe")),
     Tolerance("mean_abs", "fp32", 2e-6, "max",
               rationale="1.2x the worst measured (the Qwen3-0.6B shape on an H100); tiny models "
                         "4x below it",
               evidence=_evidence("mean_abs", "fp32", "any",
-                                 {CPU_BASELINE: 5.0e-07, H100_TP1: 1.7e-06, H200X2_PARITY: 1.7e-06})),
+                                 {CPU_BASELINE: 5.0e-07, H100_TP1: 1.7e-06, H200X2_PARITY: 1.7e-06})
+              + _evidence("mean_abs", "fp32", "any", {CPU_MOE_PARITY: 2.3e-07}, suite="moe")),
     Tolerance("token_mult_prob_error", "fp32", 1 + 1e-5, "max", ideal=1.0,
               rationale="mean exp(|d|) ~ 1 + mean|d| for small d; max_abs <= 1e-5 bounds it by "
                         "~1 + 1e-5", derived_from=("max_abs",)),
@@ -59,14 +61,16 @@ _TABLE: tuple[Tolerance, ...] = (
     # ---- bf16, exact regime: every rounding reproduced, only the fp32 log-softmax differs ----
     Tolerance("max_abs", "bf16", 1e-5, "max", regime="exact",
               rationale="the fp32 bound: in this regime bf16 logprobs differ only as fp32 ones do "
-                        "(10x the worst measured)",
+                        "(10x the worst measured, dense and MoE models)",
               evidence=_evidence("max_abs", "bf16", "exact",
-                                 {CPU_BASELINE: 9.5e-07, H100_TP1: 9.5e-07, H200X2_PARITY: 9.5e-07})),
+                                 {CPU_BASELINE: 9.5e-07, H100_TP1: 9.5e-07, H200X2_PARITY: 9.5e-07})
+              + _evidence("max_abs", "bf16", "exact", {CPU_MOE_PARITY: 9.5e-07}, suite="moe")),
     Tolerance("mean_abs", "bf16", 2e-6, "max", regime="exact",
               rationale="the fp32 bound: in this regime bf16 logprobs differ only as fp32 ones do "
                         "(35x the worst measured)",
               evidence=_evidence("mean_abs", "bf16", "exact",
-                                 {CPU_BASELINE: 5.8e-08, H100_TP1: 4.8e-08, H200X2_PARITY: 6.0e-08})),
+                                 {CPU_BASELINE: 5.8e-08, H100_TP1: 4.8e-08, H200X2_PARITY: 6.0e-08})
+              + _evidence("mean_abs", "bf16", "exact", {CPU_MOE_PARITY: 6.8e-08}, suite="moe")),
     Tolerance("token_mult_prob_error", "bf16", 1 + 1e-5, "max", ideal=1.0, regime="exact",
               rationale="the fp32 bound, derived the same way from max_abs", derived_from=("max_abs",)),
     Tolerance("kl_k3", "bf16", 1e-10, "max", regime="exact",
@@ -74,7 +78,8 @@ _TABLE: tuple[Tolerance, ...] = (
     Tolerance("top1_agreement", "bf16", 0.99, "min", ideal=1.0, regime="exact",
               rationale="the fp32 bound: no flips expected where logprobs agree to ~1e-6; none seen",
               evidence=_evidence("top1_agreement", "bf16", "exact",
-                                 {CPU_BASELINE: 1.0, H100_TP1: 1.0, H200X2_PARITY: 1.0}, "min")),
+                                 {CPU_BASELINE: 1.0, H100_TP1: 1.0, H200X2_PARITY: 1.0}, "min")
+              + _evidence("top1_agreement", "bf16", "exact", {CPU_MOE_PARITY: 1.0}, "min", suite="moe")),
     # ---- bf16, approximate regime: rounding noise of two arithmetics ------------------------
     Tolerance("max_abs", "bf16", 0.2, "max", regime="approximate",
               rationale="2.6x the worst measured (tiny-qwen2-tied, tp2)",
