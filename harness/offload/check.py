@@ -81,6 +81,7 @@ class RoundTrip(Judged):
     checks: list[CheckResult] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     byte_rows: list[Row] = field(default_factory=list)  # per rank, component and operation
+    model: str = MODEL
 
     def check(self, metric: str, value: float, detail: str = "") -> None:
         self.judge(metric, value, offload_tolerance(metric, self.dtype),
@@ -89,7 +90,7 @@ class RoundTrip(Judged):
     def rows(self, **fields: Any) -> list[Row]:
         for row in self.byte_rows:
             row.extra.update(fields)
-        return self.check_rows(self.layout, MODEL, **fields, variant=self.variant) + self.byte_rows
+        return self.check_rows(self.layout, self.model, **fields, variant=self.variant) + self.byte_rows
 
     def summary(self) -> str:
         what = f"{self.layout} {self.dtype}" + (f" variant={self.variant}" if self.variant else "")
@@ -110,7 +111,7 @@ def byte_rows(result: RoundTrip, ranks: list[list[dict]], phase: str) -> list[di
             bound = offload_tolerance(metric, result.dtype)
             result.byte_rows.append(Row(
                 suite="", test="", layout=result.layout, metric=metric, value=value, tolerance=bound.limit,
-                passed=bound.passes(value), claim=bound.claim, model=MODEL, dtype=result.dtype, device=result.device, units="bytes",
+                passed=bound.passes(value), claim=bound.claim, model=result.model, dtype=result.dtype, device=result.device, units="bytes",
                 extra={"variant": result.variant, "rank": rank, "phase": phase, "component": r["component"],
                        "op": r["op"], "theory_bytes": r["theory_bytes"],
                        "theory_device_bytes": r["theory_device_bytes"], "measured_bytes": r["measured_bytes"],
@@ -173,7 +174,7 @@ def round_trip(make_policy: Callable, layout: str, dtype: str = "fp32", *, varia
     (stepped at least once, everything resident)."""
     from harness.checkpoint.resume_check import train_batch
 
-    result = RoundTrip(layout, dtype, device, variant)
+    result = RoundTrip(layout, dtype, device, variant, model=model)
     own = policy is None
     if own:
         policy = make_policy(layout, model, **CONFIG, dtype=dtype, offload_variant=variant)

@@ -42,7 +42,7 @@ from harness.offload.storages import host_buffer, nbytes, rounded, storage_id, s
 
 # The offload variants of the catalog (harness.variants) this manager implements.
 IMPLEMENTED = ("grad-size-not-recorded", "hasattr-guard", "rebind-not-storage", "repin-each-offload",
-               "master-params-left", "mcore-optimizer-offload")
+               "master-params-left", "mcore-optimizer-offload", "expert-buffers-left")
 OFFLOAD_ORDER = ("optimizer", "grads", "params")  # the optimizer walk never reads a freed view
 
 
@@ -189,8 +189,12 @@ class OffloadManager:
         worker = self.worker
         if component in ("params", "grads") and hasattr(worker, "optimizer"):
             attr = "param_data" if component == "params" else "grad_data"
+            buffers = inventory.ddp_buffers(worker.models)
+            if self.variant == "expert-buffers-left":  # verl PR 1766: DDP's `buffers` only
+                experts = {id(b) for m in worker.models for b in getattr(m, "expert_parallel_buffers", [])}
+                buffers = [(name, buf) for name, buf in buffers if id(buf) not in experts]
             return [Slot(f"{name}.{attr}", whole(getattr(buf, attr)), component == "params", owner=buf)
-                    for name, buf in inventory.ddp_buffers(worker.models)]
+                    for name, buf in buffers]
         found = inventory.storages(worker, component).on(self.device).by_id.values()
         if component == "optimizer" and self.variant == "master-params-left":
             # verl PR 6635: offload by a key list; the fp32 master params are not in it

@@ -501,6 +501,14 @@ _MOE: tuple[Variant, ...] = (
                      "expert data-parallel group)",
             requires=_needs_expert_dp_unlike_dp, default_layout="dp2ep2", model="tiny-qwen3-moe",
             dtypes=("fp32",)),
+    Variant("expert-buffers-left", "offload", "upstream-bug",
+            "offload and reload walk the DDP's `buffers` only, not its `expert_parallel_buffers` (where "
+            "megatron-core keeps the experts' params and grads at ep >= 2)",
+            "the experts' weights and grads stay on the GPU through the rollout: the engine OOMs, or "
+            "has the memory it was told is free taken",
+            "offload round trip: freed_minus_theory_bytes and held_after_offload_bytes (the expert buffers)",
+            upstream="verl PR 1766 (MoE expert_parallel_buffers not offloaded)",
+            requires=_needs_expert_parallelism, default_layout="dp2ep2", model="tiny-qwen3-moe"),
     Variant("sync-expert-group-split", "weight-sync", "upstream-bug",
             "a MoE layer's experts of one projection (a grouped export's group) cut by a bucket boundary "
             "are never sent: buckets planned over export tasks, each exported by its own call, and the "

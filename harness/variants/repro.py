@@ -198,7 +198,8 @@ def _offload(variant: Variant, layout: str, dtype: str, runner: Runner) -> tuple
     from harness.offload.check import round_trip
 
     def run(variant_id):
-        result = round_trip(runner.make_policy, layout, dtype, variant=variant_id, device=runner.device)
+        result = round_trip(runner.make_policy, layout, dtype, variant=variant_id, device=runner.device,
+                            model=_model(variant))
         return Run(result.passed, result.checks, result.summary(), result.rows())
 
     return run(variant.id), run(None)
@@ -304,15 +305,18 @@ def preflight(variant_id: str, layout: str | None, dtype: str, world_size_limit:
     return variant, layout
 
 
+_DEFAULT_MODEL = next(f.default for f in dataclasses.fields(Variant) if f.name == "model")
+
+
 def _model(variant: Variant) -> str:
     if variant.component == "checkpoint":
         from harness.checkpoint.resume_check import MODEL
 
         return MODEL
-    if variant.component == "offload":
+    if variant.component == "offload":  # the round trip's model, unless the entry names its own (MoE)
         from harness.offload.check import MODEL
 
-        return MODEL
+        return variant.model if variant.model != _DEFAULT_MODEL else MODEL
     return variant.model
 
 

@@ -41,7 +41,7 @@ ROTATION_WHERE = [("dp2", DTYPES)]
 NIGHTLY_ONLY = {("rotation", "bf16")}
 # Offload variants (the round trip, harness.offload.check): dp2; CI runs each in the first dtype it
 # claims (fp32, or bf16 for a bf16-only entry), the nightly run the other too.
-OFFLOAD_WHERE = [("dp2", DTYPES)]
+OFFLOAD_WHERE = [("dp2", DTYPES), ("dp2ep2", DTYPES)]  # dp2ep2: the MoE entry (expert-parallel buffers)
 
 
 def _applies(variant_id: str, where: str, dtype: str) -> bool:
