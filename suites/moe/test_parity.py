@@ -60,10 +60,13 @@ def test_allgather_dispatcher_logprobs_match_hf(world, device, layout, hf_cache,
     _parity(world, layout, "tiny-qwen3-moe", "allgather", hf_cache, report)
 
 
-@pytest.mark.layouts(cpu=["dp2ep2", "tp2-sp"])
+@pytest.mark.layouts(cpu=["dp2ep2", "tp2-sp"], cuda=["tp1", "dp2ep2", "tp2-sp"])
 def test_qwen3_moe_bf16_logprobs_match_hf_exactly(world, device, layout, hf_cache, report):
     """bf16 at the fp32 bounds: the experts split over ranks, and split in width (etp2: linear_fc2's
     partial sums), with the alltoall dispatcher."""
+    if world.spec != "local":
+        pytest.skip("TE's kernels round unlike the arranged reference (the approximate regime), whose "
+                    "bf16 bounds are not measured for MoE models")
     _parity(world, layout, "tiny-qwen3-moe", "alltoall", hf_cache, report, dtype="bf16")
 
 
