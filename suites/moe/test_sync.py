@@ -3,7 +3,7 @@ MoE policy's exported weights bit for bit, its logprobs of its own samples match
 second sync changes nothing (harness.rollout.check) - with buckets small enough that a layer's experts
 of one projection (an expert group, what a grouped export fuses) straddle bucket boundaries. A grouped
 export that drops such a group (SkyRL PR 1471) is the catalog's `sync-expert-group-split`, caught in
-suites/sensitivity and below."""
+suites/sensitivity."""
 from __future__ import annotations
 
 from collections import defaultdict
