@@ -14,6 +14,8 @@ feeds back. The trainer's side (megatron-core's RouterReplay fed these routes) i
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 
@@ -93,3 +95,30 @@ def drifted(routes: torch.Tensor, num_experts: int) -> torch.Tensor:
     rank = chosen * num_experts + torch.arange(num_experts)  # the unchosen first, lowest number first
     out = rank.argsort(-1)[..., :k]
     return torch.where(routes[..., :1] >= 0, out, torch.full_like(out, PAD))
+
+
+@contextmanager
+def forced_routes(model: torch.nn.Module, routes: torch.Tensor) -> Iterator[None]:
+    """An HF model's routers made to pick `routes` ([tokens, L, K] of what the model is fed in one
+    call, HF's flattening; PAD: experts 0..K-1) inside the `with`, each token's weights computed by
+    HF's own formula at those experts: the softmax over every expert gathered there, renormalised
+    where the router renormalises (norm_topk_prob). The ground truth of a replayed routing."""
+    hooks = []
+    k = routes.shape[-1]
+    for layer, router in hf_routers(model).items():
+        chosen = torch.where(routes[:, layer] >= 0, routes[:, layer], torch.arange(k))
+
+        def force(module, args, output, chosen=chosen):
+            logits = output[0]
+            index = chosen.to(logits.device)
+            weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, index)
+            if getattr(module, "norm_topk_prob", True):
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return logits, weights.to(logits.dtype), index
+
+        hooks.append(router.register_forward_hook(force))
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
