@@ -28,8 +28,9 @@ def versions() -> dict[str, str | None]:
 
 
 def trajectory(history) -> list[dict]:
-    """Every metric and every sampled token of each iteration (no wall times)."""
-    return [{k: v for k, v in asdict(h).items() if k != "seconds"} for h in history]
+    """Every metric and every sampled token of each iteration (no wall times; no field the loop left
+    unset, e.g. the routing agreement of a run without routing replay)."""
+    return [{k: v for k, v in asdict(h).items() if k != "seconds" and v is not None} for h in history]
 
 
 def load() -> dict:
