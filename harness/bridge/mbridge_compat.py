@@ -57,6 +57,13 @@ behaviour it replaces and why:
    dense TP group for an expert). mbridge's MoE bridges also turn on fusions the local spec has no
    kernels for (persistent layer norm, bias fusions, permute fusion): off, as megatron-core defaults
    them.
+9. Experts at ep 1 with etp != tp (export): stock `export_weights` sends an expert weight at ep 1
+   through its dense branch, which gathers it over the TP group and then asserts it got etp shards
+   (AssertionError at tp2etp1). We gather an expert's shards over the expert-TP group there
+   (etp 1: the rank's own, whole expert).
+10. Experts at ep 1 with etp != tp (build): megatron-core 0.16.1 leaves them dense parameters
+   (Megatron-LM #5916's uncommon case); each chunk gets the version-gated workaround
+   `harness.compat.megatron_core.mark_expert_parameters` before mbridge's get_model wraps it in DDP.
 """
 from __future__ import annotations
 
@@ -179,6 +186,22 @@ class HarnessBridgeMixin:
                     param.copy_(shard.to(param.dtype))
         return None
 
+    def _weight_merge_across_tp(self, mcore_weights_name: str, mcore_weights: list[torch.Tensor],
+                                param: torch.Tensor) -> torch.Tensor:
+        # Override 9: at ep 1 stock export_weights gathers an expert's shards over the dense TP group
+        # (its TP branch), then asserts it got etp of them; we gather them over the expert-TP group.
+        if not ("mlp.experts.linear_fc" in mcore_weights_name and self.mpu.ep_size == 1
+                and self.mpu.etp_size != self.mpu.tp_size):
+            return super()._weight_merge_across_tp(mcore_weights_name, mcore_weights, param)
+        shards = [torch.empty_like(param) for _ in range(self.mpu.etp_size)]
+        torch.distributed.all_gather(shards, param.contiguous(), group=self.mpu.etp_group)
+        if len(shards) == 1:  # etp 1: the rank's expert is whole (a replica over its TP group)
+            return shards[0]
+        if self.mpu.tp_size == 1:  # stock's merge returns a lone shard as the whole at tp 1
+            raise NotImplementedError(f"{mcore_weights_name}: exporting experts split over etp="
+                                      f"{self.mpu.etp_size} at tp 1 and ep 1 is not supported with mbridge")
+        return super()._weight_merge_across_tp(mcore_weights_name, shards, param)
+
     def _get_gptmodel_args(self) -> dict:
         rope = rope_settings(self.hf_config)  # override 4
         args = dict(
@@ -193,8 +216,16 @@ class HarnessBridgeMixin:
 
     def _model_provider(self, post_model_creation_callbacks, *args: Any, **kwargs: Any):
         # Override 4: every chunk mbridge builds gets the checkpoint's Llama-3 frequencies.
-        callbacks = [*post_model_creation_callbacks, self._harness_set_rope_frequencies]
+        # Override 10: megatron-core 0.16.1's experts at ep 1 with etp != tp marked expert-parallel
+        # (harness.compat.megatron_core.EXPERTS_AT_EP1_ETP_NE_TP), before get_model wraps them in DDP.
+        callbacks = [*post_model_creation_callbacks, self._harness_set_rope_frequencies,
+                     self._harness_mark_expert_parameters]
         return super()._model_provider(callbacks, *args, **kwargs)
+
+    def _harness_mark_expert_parameters(self, model: torch.nn.Module, **unused: Any) -> None:
+        from harness.compat.megatron_core import mark_expert_parameters
+
+        mark_expert_parameters(model, self.config)
 
     def _harness_set_rope_frequencies(self, model: torch.nn.Module, **unused: Any) -> None:
         rope = rope_settings(self.hf_config)

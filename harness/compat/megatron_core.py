@@ -359,3 +359,43 @@ def define_te_general_gemm() -> None:
         return
     require(MOE_TE_GEMM_UNDEFINED)
     moe_utils.te_general_gemm = None
+
+
+# Megatron-LM #5916's "uncommon case" (ETP != TP mis-reduces expert grads): 0.16.1's expert layers
+# (ColumnParallelLinear/RowParallelLinear, TE's linears, GroupedMLP) set `allreduce = not (is_expert
+# and ep > 1)`, so at ep 1 with etp != tp the experts' parameters stay dense ones: DDP reduces their
+# gradients over the dense DP group, not the expert-DP group, and the optimizer groups them with the
+# dense parameters. At tp2etp1-sp the experts are whole on both TP ranks, each fed its own
+# sequence-parallel tokens: the replicas diverge after one step (2e-3, suites/moe/test_training.py).
+# 0.19.2 marks them `allreduce = not use_expert_pgs`, `use_expert_pgs = is_expert and (ep > 1 or
+# etp != tp)`; we mark a MoE layer's experts the same way after the model is built and before DDP
+# sorts its parameters into buffers (the dense/expert split is read there and in the optimizer).
+EXPERTS_AT_EP1_ETP_NE_TP = Workaround(
+    "experts-at-ep1-etp-ne-tp", "at ep 1 with etp != tp the expert parameters keep allreduce=True: their "
+    "grads are reduced over the dense DP group, not expert DP (Megatron-LM #5916's uncommon case)",
+    ("0.16.1",), not_needed_on=("0.19.2",))
+WORKAROUNDS += (EXPERTS_AT_EP1_ETP_NE_TP,)
+
+
+def needs_expert_marking(config) -> bool:
+    """Whether a model of this TransformerConfig is in `EXPERTS_AT_EP1_ETP_NE_TP`'s case: MoE, ep 1,
+    an expert TP size of its own."""
+    etp = getattr(config, "expert_tensor_parallel_size", None)
+    return (bool(getattr(config, "num_moe_experts", None)) and config.expert_model_parallel_size == 1
+            and etp is not None and etp != config.tensor_model_parallel_size)
+
+
+def mark_expert_parameters(model: torch.nn.Module, config) -> None:
+    """`EXPERTS_AT_EP1_ETP_NE_TP`: mark every parameter of the model's MoE experts expert-parallel
+    (`allreduce=False`) as 0.19.2 does, where that case applies (call before DDP wraps the model)."""
+    if not needs_expert_marking(config):
+        return
+    require(EXPERTS_AT_EP1_ETP_NE_TP)
+    if not applies(EXPERTS_AT_EP1_ETP_NE_TP):
+        return
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    for module in model.modules():
+        if isinstance(module, MoELayer):  # its router and shared experts are dense parameters
+            for param in module.experts.parameters():
+                param.allreduce = False

@@ -8,6 +8,8 @@ others applied, on a throwaway policy) and sees whether its bug shows:
 - dp-reshardable-grad-copy: a policy loads a dp_reshardable optimizer state;
 - dp-reshardable-step-reset: a never-stepped policy loads a dp_reshardable optimizer state saved
   after one step: is every parameter's Adam `step` 1 (the checkpoint's) or still 0 (its own)?
+- experts-at-ep1-etp-ne-tp (a model-build workaround, nightly): a MoE policy built at tp2etp1-sp
+  (every expert whole on both ranks) takes one step: do the two ranks' experts differ?
 
 The bug must show on every version the workaround is verified (applied) on and must not on every
 version it is marked not needed on; a version in neither list fails with what was seen, to be
@@ -52,7 +54,11 @@ def _bug_shows(worker, name: str, directory: str, optimizer_format: str) -> str 
     return None
 
 
-@pytest.mark.parametrize("name", sorted(BY_NAME))
+# The workarounds of model building, each with its own test below; the others are checkpoint loads'.
+BUILD = ("experts-at-ep1-etp-ne-tp",)
+
+
+@pytest.mark.parametrize("name", sorted(set(BY_NAME) - set(BUILD)))
 def test_a_workaround_is_applied_exactly_where_its_bug_shows(policy, device, tmp_path, report, name):
     fmt = FORMAT.get(name, "fully_reshardable")
     source = policy("dp2", MODEL, **CONFIG)
@@ -69,10 +75,55 @@ def test_a_workaround_is_applied_exactly_where_its_bug_shows(policy, device, tmp
     shows = all(seen)
     report.add("upstream_bug_shows", int(shows), tolerance=int(version in workaround.verified_on),
                passed=True, claim="exact", layout="dp2", workaround=name, megatron_core=version, seen=seen[0])
+    _assert_measured(name, any(seen) if version in workaround.not_needed_on else shows, seen)
+
+
+def _assert_measured(name: str, shows: bool, seen: str) -> None:
+    version, workaround = compat.mcore_version(), BY_NAME[name]
     if version in workaround.verified_on:
         assert shows, f"{name}: applied on megatron-core {version}, but its bug does not show there: {seen}"
     elif version in workaround.not_needed_on:
-        assert not any(seen), f"{name}: marked not needed on megatron-core {version}, but: {seen}"
+        assert not shows, f"{name}: marked not needed on megatron-core {version}, but: {seen}"
     else:
         pytest.fail(f"{name} on megatron-core {version} is unmeasured: megatron-core's own path gives {seen}; "
                     "add the version to verified_on (bug shows) or not_needed_on (it does not)")
+
+
+_stock: list = []  # rank-side: the open `compat.trial` of a policy being built on megatron-core's own path
+
+
+def _begin_stock_path(name: str) -> None:
+    _stock.append(compat.trial(BY_NAME[name]))
+    _stock[-1].__enter__()
+
+
+def _end_stock_path() -> None:
+    while _stock:
+        _stock.pop().__exit__(None, None, None)
+
+
+@pytest.mark.nightly
+@pytest.mark.layouts(cpu=["tp2etp1-sp"])
+def test_experts_at_ep1_with_etp_below_tp_is_applied_exactly_where_its_bug_shows(world, policy, device, layout,
+                                                                               report):
+    """Megatron-LM #5916's uncommon case: built on megatron-core's own path, are the experts left dense
+    parameters at ep 1 with etp != tp, so that their replicas on the two TP ranks diverge in a step?"""
+    from harness.training.invariance import policy_config
+    from suites.moe.test_training import MODEL as MOE_MODEL, replica_divergence
+
+    name = "experts-at-ep1-etp-ne-tp"
+    world.run(_begin_stock_path, name)
+    try:
+        worker = policy(layout, MOE_MODEL, **policy_config())
+    finally:
+        world.run(_end_stock_path)
+    assert worker.world is world, "the policy was built on another world than the one on the stock path"
+    diff, marked = replica_divergence(worker)
+    shows = diff > 0
+    seen = f"expert replicas differ by {diff:g} after one step; {sum(marked)} of {len(marked)} expert params marked"
+    report.add("upstream_bug_shows", int(shows), tolerance=int(compat.mcore_version() in BY_NAME[name].verified_on),
+               passed=True, claim="exact", layout=layout, workaround=name, megatron_core=compat.mcore_version(),
+               seen=seen)
+    report.add("expert_replica_max_abs_diff_stock", diff, tolerance=None, passed=True, claim="observed",
+               layout=layout, workaround=name, megatron_core=compat.mcore_version())
+    _assert_measured(name, shows, seen)
