@@ -128,3 +128,24 @@ def test_other_libraries_workarounds_refuse_an_unverified_version(module, monkey
     with pytest.raises(Exception, match=rf"{workaround.name}: verified on .* this is 9\.9\.9; re-verify \(") as info:
         lib.require(workaround)
     assert type(info.value).__name__.startswith("Unverified")
+
+
+def test_experts_are_marked_only_at_ep1_with_an_etp_of_their_own(version):
+    """`experts-at-ep1-etp-ne-tp`'s case (the marking itself: suites/moe/test_training.py, nightly), and
+    its gate checked before anything is marked."""
+    from types import SimpleNamespace
+
+    def config(**changes):
+        return SimpleNamespace(**{"num_moe_experts": 4, "expert_model_parallel_size": 1,
+                                  "tensor_model_parallel_size": 2, "expert_tensor_parallel_size": 1, **changes})
+
+    assert compat.needs_expert_marking(config())
+    assert not compat.needs_expert_marking(config(expert_tensor_parallel_size=2))  # etp = tp
+    assert not compat.needs_expert_marking(config(expert_model_parallel_size=2))  # megatron-core marks ep > 1
+    assert not compat.needs_expert_marking(config(num_moe_experts=None))  # a dense model
+    model = torch.nn.Linear(2, 2)
+    version("0.16.2")
+    with pytest.raises(compat.UnverifiedMegatronCoreError, match="experts-at-ep1-etp-ne-tp"):
+        compat.mark_expert_parameters(model, config())
+    compat.mark_expert_parameters(model, config(expert_tensor_parallel_size=2))  # not its case: no gate
+    assert all(not hasattr(p, "allreduce") for p in model.parameters())
