@@ -138,6 +138,29 @@ def resume_and_compare(make_policy: Callable, source: Uninterrupted, target_layo
     return result
 
 
+def assert_dp_reshardable_refused(make_policy: Callable, source_layout: str, target_layout: str,
+                                  directory: str | Path, model: str = MODEL) -> None:
+    """A dp_reshardable optimizer (flat buffers of one layout) saved at `source_layout` and loaded at
+    `target_layout`: refused with one clear error, the target's weights and position untouched."""
+    from harness.checkpoint import CheckpointError
+
+    if not Path(directory).exists():
+        source = make_policy(source_layout, model, **CONFIG)
+        source.step(train_batch(0))
+        source.save(directory, optimizer_format="dp_reshardable")
+    target = make_policy(target_layout, model, **CONFIG)
+    before = target.hf_state_dict()
+    try:
+        target.load(directory)
+    except CheckpointError as exc:
+        assert "dp_reshardable" in str(exc), exc
+    else:
+        raise AssertionError(f"a dp_reshardable checkpoint of {source_layout} loaded at {target_layout}")
+    after = target.hf_state_dict()
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    assert target.position()["steps_done"] == 0
+
+
 def _remote_traceback(exc: BaseException) -> str:
     """The rank's traceback of an exception a world call re-raised (its tail)."""
     cause = exc.__cause__

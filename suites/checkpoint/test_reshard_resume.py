@@ -13,10 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.checkpoint import CheckpointError
 from harness.checkpoint.diff import diff_checkpoints
-from harness.checkpoint.resume_check import CONFIG, K_STEPS, MODEL, resume_and_compare, train_and_save, \
-    train_batch
+from harness.checkpoint.resume_check import CONFIG, K_STEPS, MODEL, assert_dp_reshardable_refused, resume_and_compare, \
+    train_and_save, train_batch
 from harness.parallel.state import run_in_layout
 
 # The issue's pairs (tp1 fills the world with dp), plus tp2pp2 -> tp4: TP4 pads the vocab to 512
@@ -96,16 +95,7 @@ def test_dp_reshardable_optimizer_cannot_resume_at_another_tp_pp(policy, device,
     """The buggy variant (optimizer in the dp_reshardable format, flat buffers of one TP/PP layout):
     loading it at another TP/PP is refused with one clear error, the target left untouched (at
     the same layout it resumes exactly: the test above)."""
-    source = policy("tp2", MODEL, **CONFIG)
-    source.step(train_batch(0))
-    source.save(tmp_path / "dp", optimizer_format="dp_reshardable")
-    target = policy("pp2", MODEL, **CONFIG)
-    before = target.hf_state_dict()
-    with pytest.raises(CheckpointError, match="dp_reshardable"):
-        target.load(tmp_path / "dp")
-    after = target.hf_state_dict()
-    assert all(torch.equal(before[n], after[n]) for n in before)
-    assert target.position()["steps_done"] == 0
+    assert_dp_reshardable_refused(policy, "tp2", "pp2", tmp_path / "dp")
 
 
 def _distinct_adam_steps(worker) -> int:

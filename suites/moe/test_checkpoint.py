@@ -16,11 +16,10 @@ then one); the nightly run the rest.
 from __future__ import annotations
 
 import pytest
-import torch
 
-from harness.checkpoint import CheckpointError
 from harness.checkpoint.diff import diff_checkpoints
-from harness.checkpoint.resume_check import CONFIG, K_STEPS, resume_and_compare, train_and_save, train_batch
+from harness.checkpoint.resume_check import CONFIG, K_STEPS, assert_dp_reshardable_refused, resume_and_compare, \
+    train_and_save, train_batch
 from harness.parallel.state import as_layout
 
 MODEL = "tiny-qwen3-moe"
@@ -127,17 +126,8 @@ def test_moe_dp_reshardable_checkpoint_resumes_bit_for_bit_at_its_layout(policy,
 def test_moe_dp_reshardable_checkpoint_at_another_expert_layout_is_refused(policy, device, layout, tmp_path):
     """A dp_reshardable optimizer (flat buffers of one layout, the expert buffers of one ep/etp
     included) loaded at another expert layout: refused with one clear error, the target untouched."""
-    source = policy(layout, MODEL, **CONFIG)
-    source.step(train_batch(0))
-    source.save(tmp_path / "dp", optimizer_format="dp_reshardable")
     for target_layout in ("tp2-sp", "dp2"):  # another TP and ETP; the same TP/PP at ep1
-        target = policy(target_layout, MODEL, **CONFIG)
-        before = target.hf_state_dict()
-        with pytest.raises(CheckpointError, match="dp_reshardable"):
-            target.load(tmp_path / "dp")
-        after = target.hf_state_dict()
-        assert all(torch.equal(before[n], after[n]) for n in before)
-        assert target.position()["steps_done"] == 0
+        assert_dp_reshardable_refused(policy, layout, target_layout, tmp_path / "dp", model=MODEL)
 
 
 @pytest.mark.nightly
