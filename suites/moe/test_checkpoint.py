@@ -81,7 +81,7 @@ def _resume_elsewhere(policy, source, target, tmp_path, report):
     assert result.passed, result.summary()
 
 
-@pytest.mark.layout_pairs(cpu=CI_PAIRS)
+@pytest.mark.layout_pairs(cpu=CI_PAIRS, cuda=CI_PAIRS)
 def test_moe_resume_at_another_expert_layout_continues_exactly(policy, device, source, target, tmp_path, report):
     _resume_elsewhere(policy, source, target, tmp_path, report)
 
@@ -101,7 +101,7 @@ def _bucket_entries(worker) -> list[int]:
 
 
 @pytest.mark.nightly
-@pytest.mark.layouts(cpu=["dp2ep2"])
+@pytest.mark.layouts(cpu=["dp2ep2"], cuda=["dp2ep2"])
 def test_moe_dp_reshardable_checkpoint_resumes_bit_for_bit_at_its_layout(policy, device, layout, tmp_path, report):
     """The dp_reshardable format at the layout it was saved at (flat buffers, dense and
     expert-parallel): the next step (loss, grad norm, every weight after it) is the uninterrupted

@@ -28,7 +28,7 @@ def expert_buffer_bytes(worker) -> dict[str, int]:
 
 
 @pytest.mark.nightly
-@pytest.mark.layouts(cpu=["dp2ep2"])
+@pytest.mark.layouts(cpu=["dp2ep2"], cuda=["dp2ep2"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_moe_offload_accounts_for_the_expert_buffers(policy, device, layout, dtype, report):
     from harness.checkpoint.resume_check import train_batch

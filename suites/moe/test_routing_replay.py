@@ -19,7 +19,7 @@ from harness.training.replay_check import MODEL, disagreement, replay_check
 
 
 @pytest.mark.nightly
-@pytest.mark.layouts(cpu=["tp1", "dp2ep2", "pp2", "pp2vpp2", "tp2ep2etp1-sp"], cuda=["tp1"])
+@pytest.mark.layouts(cpu=["tp1", "dp2ep2", "pp2", "pp2vpp2", "tp2ep2etp1-sp"], cuda=["tp1", "dp2ep2", "pp2"])
 def test_replay_routes_as_the_engine_did_and_routers_get_gradients(policy, device, layout, report):
     from harness.bridge.versions import mcore_version
 
@@ -47,7 +47,7 @@ def test_without_replay_the_trainer_routes_otherwise_and_replay_closes_it(policy
     assert agreement == 1.0, figures
 
 
-@pytest.mark.layouts(cpu=["dp2ep2"], cuda=["tp1"])
+@pytest.mark.layouts(cpu=["dp2ep2"], cuda=["tp1", "dp2ep2"])
 def test_the_rl_loop_runs_with_routing_replay(rl_loop, device, layout, report):
     loop = rl_loop(layout, MODEL, iterations=2, routing_replay=True)
     history = loop.run()

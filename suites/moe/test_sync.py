@@ -28,7 +28,7 @@ def straddling_groups(report) -> list[str]:
     return sorted(group for group, buckets in where.items() if len(buckets) > 1)
 
 
-@pytest.mark.layouts(cpu=["tp2ep2etp1-sp"], cuda=["tp1"])
+@pytest.mark.layouts(cpu=["tp2ep2etp1-sp"], cuda=["tp1", "tp2ep2etp1-sp"])
 def test_a_synced_engine_equals_the_trained_moe_policy(policy, device, layout, report):
     result = sync_check(policy, layout, "fp32", device=device, model=MODEL)
     _record(report, result)

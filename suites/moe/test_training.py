@@ -12,7 +12,7 @@ MODEL = "tiny-qwen3-moe"
 EXPERT_PARALLEL = ["dp2ep2", "tp2ep2etp1-sp"]
 
 
-@pytest.mark.layouts(cpu=EXPERT_PARALLEL, cuda=["tp1"])
+@pytest.mark.layouts(cpu=EXPERT_PARALLEL, cuda=["tp1"] + EXPERT_PARALLEL)
 def test_moe_policy_steps_match_ground_truth(policy, device, layout, report):
     _check(policy, layout, report, model=MODEL)
 
@@ -63,7 +63,7 @@ def replica_divergence(worker) -> tuple[float, list[bool]]:
 
 
 @pytest.mark.nightly
-@pytest.mark.layouts(cpu=["tp2etp1-sp"])
+@pytest.mark.layouts(cpu=["tp2etp1-sp"], cuda=["tp2etp1-sp"])
 def test_expert_replicas_at_ep1_with_etp_below_tp(policy, device, layout, report):
     from harness.bridge.versions import mcore_version
     from harness.training.invariance import policy_config
