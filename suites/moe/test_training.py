@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from harness.parallel.state import as_layout
+from suites.moe.upstream import GRAD_NORM_5916, expect_on_016_te
 from suites.training.test_policy import _check
 
 MODEL = "tiny-qwen3-moe"
@@ -13,7 +15,8 @@ EXPERT_PARALLEL = ["dp2ep2", "tp2ep2etp1-sp"]
 
 
 @pytest.mark.layouts(cpu=EXPERT_PARALLEL, cuda=["tp1"] + EXPERT_PARALLEL)
-def test_moe_policy_steps_match_ground_truth(policy, device, layout, report):
+def test_moe_policy_steps_match_ground_truth(policy, device, spec, layout, report, request):
+    expect_on_016_te(request, spec, as_layout(layout).tp, GRAD_NORM_5916)
     _check(policy, layout, report, model=MODEL)
 
 
