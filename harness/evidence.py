@@ -22,6 +22,7 @@ H200X2_PARITY = "reports/gpu/2026-11-23-h200x2/fixes/run/results.json"
 H200X2_RUN = "reports/gpu/2026-11-23-h200x2/parity-training-sensitivity/run/results.json"
 H100_FP8 = "reports/gpu/2026-11-24-h100-fp8/measure/fp8.json"
 CPU_MOE_PARITY = "reports/cpu/2026-11-26-moe-parity/run/results.json"
+CPU_MOE_APPROXIMATE = "reports/cpu/2026-11-26-moe-approximate/run/results.json"
 
 NOTES = {
     CPU_BASELINE: "CPU/gloo baseline (make test)",
@@ -38,6 +39,8 @@ NOTES = {
     CPU_MOE_PARITY: "CPU/gloo, suites/moe/test_parity.py with the nightly sweeps: tiny-qwen3-moe and tiny-mixtral, "
                     "fp32 and bf16, arranged reference, at tp1/dp2ep2/tp2-sp/tp2ep2etp1-sp/pp2 and dp4ep2/dp4ep4/"
                     "tp2ep2etp1dp2-sp/pp2ep2dp2, both dispatchers (issue 26 run, c787440)",
+    CPU_MOE_APPROXIMATE: "CPU/gloo, the approximate-moe regime (fused norms): tiny-qwen3-moe and tiny-mixtral in bf16 "
+                         "at tp1/dp2ep2/tp2-sp/tp2ep2etp1-sp/pp2, and the MoE controls (issue 26 run)",
 }
 
 

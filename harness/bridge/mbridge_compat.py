@@ -64,6 +64,11 @@ behaviour it replaces and why:
 10. Experts at ep 1 with etp != tp (build): megatron-core 0.16.1 leaves them dense parameters
    (Megatron-LM #5916's uncommon case); each chunk gets the version-gated workaround
    `harness.compat.megatron_core.mark_expert_parameters` before mbridge's get_model wraps it in DDP.
+11. TE's grouped experts split over etp > 1 (build): megatron-core 0.16.1 leaves their weights unmarked
+   (not tensor_model_parallel), so stock `export_weights` at ep 1 sends them through its dense branch
+   unmarked and exports one rank's shard (16 of 32 rows at tp2-sp, 2x H200); the version-gated
+   `harness.compat.megatron_core.mark_split_expert_weights` marks them as 0.19.2 does, and the dense
+   branch then gathers them over TP (= etp at ep 1).
 """
 from __future__ import annotations
 
@@ -217,15 +222,17 @@ class HarnessBridgeMixin:
     def _model_provider(self, post_model_creation_callbacks, *args: Any, **kwargs: Any):
         # Override 4: every chunk mbridge builds gets the checkpoint's Llama-3 frequencies.
         # Override 10: megatron-core 0.16.1's experts at ep 1 with etp != tp marked expert-parallel
-        # (harness.compat.megatron_core.EXPERTS_AT_EP1_ETP_NE_TP), before get_model wraps them in DDP.
+        # (harness.compat.megatron_core.EXPERTS_AT_EP1_ETP_NE_TP), before get_model wraps them in DDP;
+        # override 11: TE's grouped experts split over etp marked tensor-parallel (TE_GROUPED_EXPERTS_UNMARKED).
         callbacks = [*post_model_creation_callbacks, self._harness_set_rope_frequencies,
                      self._harness_mark_expert_parameters]
         return super()._model_provider(callbacks, *args, **kwargs)
 
     def _harness_mark_expert_parameters(self, model: torch.nn.Module, **unused: Any) -> None:
-        from harness.compat.megatron_core import mark_expert_parameters
+        from harness.compat.megatron_core import mark_expert_parameters, mark_split_expert_weights
 
         mark_expert_parameters(model, self.config)
+        mark_split_expert_weights(model, self.config)  # override 11
 
     def _harness_set_rope_frequencies(self, model: torch.nn.Module, **unused: Any) -> None:
         rope = rope_settings(self.hf_config)

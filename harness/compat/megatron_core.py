@@ -399,3 +399,78 @@ def mark_expert_parameters(model: torch.nn.Module, config) -> None:
         if isinstance(module, MoELayer):  # its router and shared experts are dense parameters
             for param in module.experts.parameters():
                 param.allreduce = False
+
+
+# Megatron-LM #5916 on megatron-core 0.16.1 with Transformer Engine's grouped experts (found by this
+# harness on 2x H200, reports/gpu/2026-11-26-h200x2-moe/): TEGroupedLinear hands TE parallel_mode=None
+# whenever the experts communicate explicitly (ep > 1 or etp > 1), so TE marks none of the experts'
+# weights tensor-parallel, and 0.16.1 does not mark them either (SequentialMLP's linears, the local
+# spec, are marked). Two consequences:
+# - `get_main_grads_for_grad_norm` keeps an unmarked parameter only on rank 0 of its optimizer's
+#   `tp_group`, the *dense* TP group for the expert optimizer too: at tp2ep2etp1-sp TP rank 1's experts
+#   leave the grad norm (4.45 vs 4.57), every rank clips by it, and the weights drift (1.04); at tp2-sp
+#   (etp 2) the experts' second halves leave it.
+# - mbridge 0.15.1's export gathers a weight over TP only when it is marked: experts split over etp 2
+#   at ep 1 export as one rank's half (16 of 32 rows).
+# 0.19.2 marks them (`_set_expert_parameter_attributes`: tensor_model_parallel, with the partition dim
+# of the layer's parallel mode) and filters expert parameters' duplicates over the expert-TP group
+# (`param_is_not_tensor_parallel_duplicate(..., expert_tp_group)`). We do both on 0.16.1: mark the
+# experts' weights that are split (etp > 1; where etp is 1 a weight is whole and mbridge must not
+# gather it), and give the expert optimizer the expert-TP group to filter over.
+TE_GROUPED_EXPERTS_UNMARKED = Workaround(
+    "te-grouped-experts-unmarked", "TE's grouped experts are not marked tensor_model_parallel and the "
+    "grad norm filters expert parameters over the dense TP group: TP ranks > 0 leave their experts out "
+    "of the grad norm (Megatron-LM #5916); mbridge exports one etp shard", ("0.16.1",), not_needed_on=("0.19.2",))
+WORKAROUNDS += (TE_GROUPED_EXPERTS_UNMARKED,)
+
+
+def _is_moe(config) -> bool:
+    return bool(getattr(config, "num_moe_experts", None))
+
+
+def mark_split_expert_weights(model: torch.nn.Module, config) -> list[str]:
+    """`TE_GROUPED_EXPERTS_UNMARKED`: mark every unmarked expert weight split over etp > 1 as
+    tensor-parallel, as 0.19.2 does (linear_fc1 by rows, linear_fc2 by columns; call before DDP and
+    the optimizer copy the attributes). The names marked (none on the local spec, whose expert
+    linears are marked by megatron-core)."""
+    etp = getattr(config, "expert_tensor_parallel_size", None) or config.tensor_model_parallel_size
+    if not _is_moe(config) or etp == 1:
+        return []
+    require(TE_GROUPED_EXPERTS_UNMARKED)
+    if not applies(TE_GROUPED_EXPERTS_UNMARKED):
+        return []
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    marked = []
+    for layer_name, module in model.named_modules():
+        if not isinstance(module, MoELayer):
+            continue
+        for name, param in module.experts.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            column = "linear_fc1" in name
+            if getattr(param, "tensor_model_parallel", False) or not (
+                    leaf.startswith("weight") or (column and leaf.startswith("bias"))):
+                continue  # marked already, or a row-parallel bias (whole on every rank)
+            param.tensor_model_parallel = True
+            param.partition_dim = 0 if column else 1
+            param.partition_stride = 1
+            marked.append(f"{layer_name}.experts.{name}")
+    return marked
+
+
+def filter_expert_grads_over_expert_tp(optimizer) -> int:
+    """`TE_GROUPED_EXPERTS_UNMARKED`: the expert-parallel parts of a (chained) optimizer filter their
+    parameters' tensor-parallel duplicates over the expert-TP group, as 0.19.2 does (call once the
+    optimizer is built). How many parts it set."""
+    parts = [part for part in getattr(optimizer, "chained_optimizers", [optimizer])
+             if part.param_groups and all(group.get("is_expert_parallel") for group in part.param_groups)]
+    if not parts:
+        return 0
+    require(TE_GROUPED_EXPERTS_UNMARKED)
+    if not applies(TE_GROUPED_EXPERTS_UNMARKED):
+        return 0
+    from megatron.core import parallel_state
+
+    for part in parts:
+        part.tp_group = parallel_state.get_expert_tensor_parallel_group()
+    return len(parts)

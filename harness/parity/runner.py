@@ -14,6 +14,8 @@ holds* exactly (`fp32_eval`): its whole state (every parameter and buffer, as lo
 variant left it) is copied into an fp32 model of the same spec and layout, whose logprobs are held
 to the fp32 bounds against HF in fp32 on the bf16-rounded weights. Rows say which comparison they
 are (`extra.evaluated_in`: "bf16" or "fp32"); the bf16 arithmetic itself keeps its approximate bounds.
+The fp32 model is built by the same code as the bf16 one, so a variant that changes how the model
+routes (its configuration, not its state: `harness.parity.variants.ROUTING`) is applied to it too.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from harness.parallel.state import run_in_layout
 from harness.parity.metrics import compare_logprobs, top1_agreement
 from harness.parity.tolerances import CheckResult, check, regime
 from harness.tolerance import separation
-from harness.parity.variants import FORCED_PACKING, apply_variant, check_variant
+from harness.parity.variants import FORCED_PACKING, ROUTING, apply_variant, check_variant
 from harness.report import Row
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -63,7 +65,7 @@ class ParityResult:
     case: ParityCase
     layout: Layout
     device: str
-    regime: str  # "exact" or "approximate" (harness.parity.tolerances.regime)
+    regime: str  # "exact", "approximate" or "approximate-moe" (harness.parity.tolerances.regime)
     norm_precision: str  # Megatron's RMSNorm rounding, resolved ("hf" or "fused")
     metrics: dict[str, float]
     checks: list[CheckResult]  # the bf16/fp32 arithmetic's, then the fp32 evaluation's (if any)
@@ -148,6 +150,8 @@ def _rank_parity(layout: Layout, path: str, dtype: torch.dtype, batch: RLBatch, 
     if fp32_eval:
         shadow = load_megatron_model(path, dtype=torch.float32, sequence_parallel=layout.sequence_parallel,
                                      norm_precision=norm_precision, config_overrides=overrides)
+        if variant in ROUTING:  # what the code does to the bf16 model it does to this one (module docstring)
+            apply_variant(variant, shadow)
         copy_state(models, shadow)
         del models
         with torch.no_grad():
@@ -239,7 +243,7 @@ def run_parity(world, case: ParityCase, *, device: str | None = None, batch: RLB
     # A MoE model's experts round their linear_fc2 under their own tensor parallelism (etp).
     arranged = ((layout.tp, batch.batch_size // layout.dp // micro, layout.expert_tp)
                 if case.reference == "arranged" else None)
-    fp32_eval = case.fp32_eval if case.fp32_eval is not None else (case.dtype == "bf16" and arithmetic == "approximate")
+    fp32_eval = case.fp32_eval if case.fp32_eval is not None else (case.dtype == "bf16" and arithmetic != "exact")
     if fp32_eval and case.dtype != "bf16":
         raise ValueError("fp32_eval evaluates a bf16 model's state in fp32: the case must be bf16")
     key = (str(path), case.dtype, device, _batch_key(batch), arranged)

@@ -8,7 +8,13 @@ log-softmax's reduction order, as fp32 ones do, and bf16 parity is as tight as f
 Engine, TP > 2 where the all-reduce order of bf16 partial sums cannot be reproduced, packed rows): there each
 one-ulp difference grows to ~1e-2 of logprob noise at the output of a random-weight model, and the
 bf16 check cannot see bugs as small as a 1% norm scale (suites/sensitivity shows by how much).
-fp32 entries hold in both regimes.
+fp32 entries hold in every regime.
+
+A Mixture-of-Experts model outside the exact regime is "approximate-moe": bf16 rounding noise moves a
+token near a routing tie to another expert, and that token's logprob by far more than the dense
+noise (CPU, fused norms: max |d| up to 0.63), so the dense approximate bounds do not hold. Its bounds
+say how far a correct MoE model's bf16 logprobs may be; what sees a bug there is the fp32 evaluation
+of the bf16 model (`harness.parity.runner`, `fp32_eval`), which every approximate regime turns on.
 
 Every entry cites the committed run figures it rests on (`harness.tolerance.Evidence`);
 suites/harness/test_tolerance_evidence.py recomputes them. There is no fp16 row: nothing has been
@@ -16,7 +22,7 @@ measured for it.
 """
 from __future__ import annotations
 
-from harness.evidence import CPU_BASELINE, CPU_MOE_PARITY, H100_FP8, H100_TP1, H200X2_PARITY, cite
+from harness.evidence import CPU_BASELINE, CPU_MOE_APPROXIMATE, CPU_MOE_PARITY, H100_FP8, H100_TP1, H200X2_PARITY, cite
 from harness.tolerance import CheckResult, Evidence, Tolerance, ToleranceTable, dtype_key
 
 __all__ = ["CheckResult", "Evidence", "FP8", "TABLE", "Tolerance", "all_tolerances", "check",
@@ -103,6 +109,25 @@ _TABLE: tuple[Tolerance, ...] = (
                         "worst measured flips 4% of tokens, 0.9 allows 2.4x that",
               evidence=_evidence("top1_agreement", "bf16", "approximate",
                                  {CPU_BASELINE: 0.96, H100_TP1: 0.96, H200X2_PARITY: 0.96}, "min")),
+    # ---- bf16, approximate-moe: a MoE model's rounding noise, tokens near a routing tie re-routed ---
+    Tolerance("max_abs", "bf16", 2.0, "max", regime="approximate-moe",
+              rationale="3.2x the worst measured (a re-routed token; tiny-mixtral, tp2ep2etp1-sp)",
+              evidence=_evidence("max_abs", "bf16", "approximate-moe", {CPU_MOE_APPROXIMATE: 0.63}, suite="moe")),
+    Tolerance("mean_abs", "bf16", 0.075, "max", regime="approximate-moe",
+              rationale="3.1x the worst measured",
+              evidence=_evidence("mean_abs", "bf16", "approximate-moe", {CPU_MOE_APPROXIMATE: 0.024}, suite="moe")),
+    Tolerance("token_mult_prob_error", "bf16", 1.08, "max", ideal=1.0, regime="approximate-moe",
+              rationale="3.1x the worst measured distance from 1",
+              evidence=_evidence("token_mult_prob_error", "bf16", "approximate-moe", {CPU_MOE_APPROXIMATE: 1.026},
+                                 digits=4, suite="moe")),
+    Tolerance("kl_k3", "bf16", 1e-2, "max", regime="approximate-moe",
+              rationale="3.5x the worst measured",
+              evidence=_evidence("kl_k3", "bf16", "approximate-moe", {CPU_MOE_APPROXIMATE: 2.8e-3}, suite="moe")),
+    Tolerance("top1_agreement", "bf16", 0.8, "min", ideal=1.0, regime="approximate-moe",
+              rationale="the worst measured flips 6.3% of tokens (a re-routed token's distribution moves), 0.8 "
+                        "allows 3.2x that",
+              evidence=_evidence("top1_agreement", "bf16", "approximate-moe", {CPU_MOE_APPROXIMATE: 0.937}, "min",
+                                 digits=3, suite="moe")),
 )
 
 TABLE = ToleranceTable("parity", _TABLE)
@@ -143,12 +168,16 @@ def regime(layout, *, reference: str = "arranged", spec: str = "local",
     tiny-qwen3, tp2: max |d| 0.044). A MoE model (`dispatcher` given) adds its experts' tensor
     parallelism: the reference sums an expert's etp partials before the token's experts, as the
     alltoall dispatcher does; the allgather one sums each rank's experts first, which matches only
-    without partials (etp 1)."""
+    without partials (etp 1). A MoE model that is not exact is "approximate-moe" (the bounds of the
+    module docstring's last paragraph)."""
     expert_tp = getattr(layout, "expert_tp", layout.tp)
     experts_exact = dispatcher is None or expert_tp == 1 or (dispatcher == "alltoall" and expert_tp <= 2)
     exact = (reference == "arranged" and spec == "local" and norm_precision == "hf" and layout.tp <= 2
              and packing in ("right", "none") and experts_exact)
-    return "exact" if exact else "approximate"
+    if exact:
+        return "exact"
+    # A MoE model's rounding noise moves a token near a routing tie to another expert: its own regime.
+    return "approximate" if dispatcher is None else "approximate-moe"
 
 
 def tolerance(metric: str, dtype, regime: str = "exact") -> Tolerance:

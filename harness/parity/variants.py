@@ -149,18 +149,29 @@ def _moe_layers(models, what: str):
     return layers
 
 
+def _expert_pairs(experts):
+    """The parameters of local experts 0 and 1, paired: SequentialMLP's (the local spec) or
+    TEGroupedMLP's (TE's spec: each grouped linear keeps expert i's weight as `weight{i}`)."""
+    local = getattr(experts, "local_experts", None)
+    if local is not None:
+        if len(local) < 2:
+            raise VariantError("variant 'swapped-experts' needs two experts on a rank")
+        return list(zip(local[0].parameters(), local[1].parameters(), strict=True))
+    linears = [getattr(experts, name, None) for name in ("linear_fc1", "linear_fc2")]
+    if any(linear is None or not hasattr(linear, "weight1") for linear in linears):
+        raise VariantError("variant 'swapped-experts' needs SequentialMLP or TE grouped experts, two on a rank")
+    return [(linear.weight0, linear.weight1) for linear in linears]
+
+
 @torch.no_grad()
 def _swap_experts(models) -> None:
     """Global experts 0 and 1 of every MoE layer swapped (both sit on expert-parallel rank 0)."""
     from megatron.core import parallel_state
 
     for moe in _moe_layers(models, "swapped-experts"):
-        local = getattr(moe.experts, "local_experts", None)
-        if local is None or len(local) < 2:
-            raise VariantError("variant 'swapped-experts' needs SequentialMLP experts (the local spec), "
-                               "two on a rank")
+        pairs = _expert_pairs(moe.experts)
         if parallel_state.get_expert_model_parallel_rank() == 0:
-            for first, second in zip(local[0].parameters(), local[1].parameters(), strict=True):
+            for first, second in pairs:
                 kept = first.clone()
                 first.copy_(second)
                 second.copy_(kept)
@@ -198,6 +209,10 @@ def _mixtral_pre_softmax(models) -> None:
     for moe in _moe_layers(models, "mixtral-pre-softmax"):
         moe.config.moe_router_pre_softmax = True  # read at every forward
 
+
+# Variants that change how the model routes (code and configuration, not the state copy_state carries):
+# harness.parity.runner applies them to the fp32 evaluation's model too.
+ROUTING = frozenset({"router-in-bf16", "topk-off-by-one", "mixtral-pre-softmax"})
 
 IMPLEMENTED: dict[str, Callable] = {
     "swapped-experts": _swap_experts,

@@ -104,6 +104,7 @@ class PolicyWorker:
         from megatron.core.utils import get_model_config
 
         from harness.bridge import bridge_info, load_megatron_model
+        from harness.compat.megatron_core import filter_expert_grads_over_expert_tp
 
         config = config or PolicyConfig()
         for key, value in overrides.items():
@@ -137,6 +138,9 @@ class PolicyWorker:
                             use_distributed_optimizer=True, bf16=dtype is torch.bfloat16,
                             fp16=False, params_dtype=dtype),
             self.models)
+        # megatron-core 0.16.1 filters expert grads for the grad norm over the dense TP group (Megatron-LM
+        # #5916 with TE's grouped experts); gated, a no-op on 0.19.2 and wherever the experts are marked.
+        filter_expert_grads_over_expert_tp(self.optimizer)
         decay_steps = config.total_steps if config.total_steps else max(config.warmup_steps, 0) + 1
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=config.lr, min_lr=config.min_lr,

@@ -468,7 +468,7 @@ _MOE: tuple[Variant, ...] = (
             "an expert-parallel rank's local id instead of the global one)",
             "logprobs off wherever a token routes to either expert; the model still runs",
             "logprob parity vs HF: every metric", requires=_needs_two_experts_on_a_rank, default_layout="dp2",
-            model="tiny-qwen3-moe", specs=("local",), options=_MOE_PARITY),
+            model="tiny-qwen3-moe", options=_MOE_PARITY),
     Variant("router-in-bf16", "bridge", "negative-control",
             "an fp32 run's router logits computed in bf16 (a router not kept in fp32; NeMo-RL computes it "
             "in fp64). fp32 only: in a bf16 run megatron-core's router weight and logits are bf16 "
@@ -477,13 +477,13 @@ _MOE: tuple[Variant, ...] = (
             "bf16 router)",
             "routing weights off by ~1e-3, tokens near a tie routed to another expert",
             "logprob parity vs HF in fp32: max_abs, mean_abs", requires=_needs_experts, default_layout="dp2",
-            model="tiny-qwen3-moe", dtypes=("fp32",), specs=("local",), options=_MOE_PARITY),
+            model="tiny-qwen3-moe", dtypes=("fp32",), options=_MOE_PARITY),
     Variant("topk-off-by-one", "bridge", "negative-control",
             "each token routed to its top k-1 experts instead of the top k (a top-k read from the wrong "
             "config field)",
             "logprobs off on every token; the model still runs",
             "logprob parity vs HF: every metric", requires=_needs_experts, default_layout="dp2",
-            model="tiny-qwen3-moe", specs=("local",), options=_MOE_PARITY),
+            model="tiny-qwen3-moe", options=_MOE_PARITY),
     Variant("grad-norm-without-experts", "training", "upstream-bug",
             "the experts' gradients left out of the global grad norm, and so of its clipping",
             "grad norm too small by the experts' share; clipping too weak; the loss looks fine",
@@ -525,7 +525,7 @@ _MOE: tuple[Variant, ...] = (
             "logprob parity vs HF: every metric",
             upstream="mbridge 0.15.1 MixtralBridge._build_config (found by this harness; worked around in "
                      "harness.bridge.mbridge_compat, override 7)",
-            requires=_needs_experts, default_layout="dp2", model="tiny-mixtral", specs=("local",),
+            requires=_needs_experts, default_layout="dp2", model="tiny-mixtral",
             options=_MOE_PARITY),
     Variant("replay-from-zeroed-probs", "routing-replay", "upstream-bug",
             "routing replay gathers the replayed experts' scores from the trainer's own post-top-k "

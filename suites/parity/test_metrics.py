@@ -102,7 +102,7 @@ def test_top1_rejects_bad_input():
 METRICS = ("max_abs", "mean_abs", "token_mult_prob_error", "kl_k3", "top1_agreement")
 
 
-KEYS = [("fp32", "any"), ("bf16", "exact"), ("bf16", "approximate")]
+KEYS = [("fp32", "any"), ("bf16", "exact"), ("bf16", "approximate"), ("bf16", "approximate-moe")]
 
 
 def test_table_is_complete_and_every_entry_has_an_origin():
