@@ -14,7 +14,7 @@ Naming: `<family>` is untied, `<family>-tied` ties lm_head to embed_tokens. `tin
 Mixture-of-Experts: `tiny-qwen3-moe` (Qwen3-MoE: 4 experts of width 32, top-2, softmax router with
 the top-k probabilities renormalised) and `tiny-mixtral` (Mixtral: 4 experts of width 128, top-2,
 softmax over the top-k logits), every layer sparse. 4 experts allow ep 1/2/4; the expert widths
-split over etp 1/2/4.
+split over etp 1/2/4. `tiny-qwen3-moe-hd32` is `tiny-qwen3-moe` with head_dim 32 (vLLM's CPU attention).
 """
 from __future__ import annotations
 
@@ -173,6 +173,14 @@ def _build_zoo() -> dict[str, ZooModel]:
         config_kwargs={**_TINY_SHAPE, **_TINY_QWEN3_MOE, "tie_word_embeddings": False},
         description="tiny Qwen3-MoE (QK-norm; 4 experts of width 32, top-2, normalised top-k), untied lm_head, "
                     f"vocab {TINY_VOCAB_SIZE}",
+    ))
+    # head_dim 32 for vLLM's CPU attention kernel (suites/moe/test_vllm.py); otherwise tiny-qwen3-moe.
+    entries.append(ZooModel(
+        name="tiny-qwen3-moe-hd32",
+        config_class=Qwen3MoeConfig,
+        config_kwargs={**_TINY_SHAPE, **_TINY_QWEN3_MOE, "head_dim": 32, "tie_word_embeddings": False},
+        description="tiny Qwen3-MoE (QK-norm; 4 experts of width 32, top-2, normalised top-k) with head_dim 32 "
+                    f"(vLLM's CPU kernels), untied lm_head, vocab {TINY_VOCAB_SIZE}",
     ))
     entries.append(ZooModel(
         name="tiny-mixtral",

@@ -5,7 +5,8 @@ torch and transformers, so it does not share the harness's venv) as a plain scri
 
     python -I harness/rollout/vllm_server.py --fd N
 
-It imports only the standard library, torch and vllm (not the harness). Requests and replies are
+It imports only the standard library, torch, vllm and `harness.compat.vllm` (the vLLM workarounds,
+which import nothing else of the harness: the repo root is appended to sys.path for it). Requests and replies are
 pickled (command, kwargs) tuples on the inherited socket `N`; tensors travel as plain pickles
 (both sides run the same torch). Everything vLLM prints goes to this process's stdout/stderr, which
 the client sends to a log file and quotes in its errors.
@@ -15,9 +16,13 @@ from __future__ import annotations
 import argparse
 import os
 import pickle
+import re
 import sys
 import traceback
 from multiprocessing.connection import Connection
+from pathlib import Path
+
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # for harness.compat.vllm only
 
 # In-process engine core: tensors go straight to reload_weights (with multiprocessing on, its
 # EngineCore -> worker hop cannot pickle them: "cannot pickle memoryview objects").
@@ -26,6 +31,8 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # CI containers: n
 
 # vLLM's packed modules (Qwen2/Qwen3/Llama `packed_modules_mapping`): the HF names they fuse, in order.
 PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# vLLM's FusedMoE parameters (Qwen3-MoE): gate/up of every expert stacked in w13, down in w2.
+_EXPERTS = re.compile(r"^(.*\.experts)\.(?:routed_experts\.)?(w13_weight|w2_weight)$")
 
 
 def _keep_cpu_weights() -> None:
@@ -48,14 +55,44 @@ def _keep_cpu_weights() -> None:
     utils.dispatch_cpu_unquantized_gemm = dispatch
 
 
+def _keep_cpu_expert_weights() -> None:
+    """The same for a MoE layer's experts: the CPU MoE kernel replaces `w13_weight` / `w2_weight` with
+    copies prepacked into its grouped-GEMM layout (cpu_moe.py `CPUUnquantizedExperts.
+    process_weights_after_loading`). Keep a copy of each as handed to the prepack (`_mrh_w13_weight`,
+    `_mrh_w2_weight` on the layer), so `weights()` shows what the kernel was packed from."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    original = CPUUnquantizedExperts.process_weights_after_loading
+    if getattr(original, "_mrh_keeps_weight", False):
+        return
+
+    def process(self, layer):
+        for name in ("w13_weight", "w2_weight"):
+            setattr(layer, f"_mrh_{name}", getattr(layer, name).detach().clone())
+        return original(self, layer)
+
+    process._mrh_keeps_weight = True
+    CPUUnquantizedExperts.process_weights_after_loading = process
+
+
 class Server:
     def __init__(self, model: str, dtype: str, seed: int, max_model_len: int, kv_cache_bytes: int,
                  device: str) -> None:
+        import json
+
         import torch
         from vllm import LLM
 
+        from harness.compat import vllm as compat
+
+        with open(os.path.join(model, "config.json")) as f:
+            hf_config = json.load(f)
+        self.compat = compat
+        self.workarounds = compat.install(hf_config, device)  # raises on an unverified vLLM, before anything
         if device == "cpu":
             _keep_cpu_weights()
+            if compat.needed(hf_config, device):  # a MoE model
+                _keep_cpu_expert_weights()
         self.model_dir = model
         self.llm = LLM(model=model, dtype=dtype, seed=seed, enforce_eager=True, max_model_len=max_model_len,
                        skip_tokenizer_init=True, kv_cache_memory_bytes=kv_cache_bytes,
@@ -73,7 +110,7 @@ class Server:
     def info(self) -> dict:
         import vllm
 
-        return {"vllm": vllm.__version__, "torch": self.torch.__version__,
+        return {"vllm": vllm.__version__, "torch": self.torch.__version__, "workarounds": self.workarounds,
                 "shapes": {name: tuple(t.shape) for name, t in self.weights().items()}}
 
     def generate(self, prompts, n, max_tokens, temperature, seed) -> list[list[tuple[list[int], list[float]]]]:
@@ -132,6 +169,7 @@ class Server:
                     tensor = param.detach()
                     if param_name == "weight" and hasattr(module, "_mrh_weight"):
                         tensor = module._mrh_weight
+                    tensor = getattr(module, f"_mrh_{param_name}", tensor)  # a MoE layer's experts (CPU)
                     out.update(self._unpack(f"{module_name}.{param_name}", tensor.cpu().clone()))
             return out
 
@@ -140,6 +178,13 @@ class Server:
     def _unpack(self, name: str, tensor) -> dict:
         if name.endswith(("embed_tokens.weight", "lm_head.weight")):
             tensor = tensor[:self.vocab_size].clone()  # vLLM pads the vocabulary rows (to a multiple of 64)
+        moe = _EXPERTS.match(name)
+        if moe:  # FusedMoE's [experts, 2 x width | hidden, ...] stacks: one HF tensor per expert
+            prefix, which = moe.groups()
+            if which == "w2_weight":
+                return {f"{prefix}.{e}.down_proj.weight": t.clone() for e, t in enumerate(tensor)}
+            return {f"{prefix}.{e}.{part}.weight": half.clone() for e, t in enumerate(tensor)
+                    for part, half in zip(("gate_proj", "up_proj"), t.chunk(2, 0))}
         for packed, parts in PACKED.items():
             if f".{packed}." in name:
                 if packed == "qkv_proj":
@@ -148,6 +193,10 @@ class Server:
                     sizes = [tensor.shape[0] // 2] * 2
                 return {name.replace(packed, part): piece for part, piece in zip(parts, tensor.split(sizes, 0))}
         return {name: tensor}
+
+    def set_workaround(self, name: str, enabled: bool) -> None:
+        """Turn an installed harness.compat.vllm workaround off or on (the guard test's switch)."""
+        self.compat.set_enabled(name, enabled)
 
     def sleep(self) -> None:
         self.llm.sleep(level=1)  # frees the device memory on CUDA; vLLM ignores it on CPU
