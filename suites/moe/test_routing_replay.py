@@ -21,11 +21,6 @@ from harness.training.replay_check import MODEL, disagreement, replay_check
 @pytest.mark.nightly
 @pytest.mark.layouts(cpu=["tp1", "dp2ep2", "pp2", "pp2vpp2", "tp2ep2etp1-sp"], cuda=["tp1", "dp2ep2", "pp2"])
 def test_replay_routes_as_the_engine_did_and_routers_get_gradients(policy, device, layout, report):
-    from harness.bridge.versions import mcore_version
-
-    if "vpp" in layout and not mcore_version().startswith("0.16"):
-        pytest.skip(f"a MoE policy's step at {layout} hangs on megatron-core {mcore_version()} (CPU) without replay "
-                    "too: the interleaved schedule's p2p waits on both ranks (found here, 2026-11-26)")
     result = replay_check(policy, layout, "fp32", device=device)
     report.extend(result.rows())
     assert result.passed, result.summary()

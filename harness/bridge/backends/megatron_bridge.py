@@ -15,7 +15,13 @@ What is set on Megatron-Bridge's model provider, and why (so that both bridges b
   only where its kernels exist (harness fix 5 of mbridge_compat);
 - `attention_softmax_in_fp32` True and `deallocate_pipeline_outputs` False: what megatron-core (and
   so mbridge) defaults to, where Megatron-Bridge's provider defaults differ;
-- mbridge's pipeline settings (variable sequence lengths, no batched p2p);
+- mbridge's pipeline settings (variable sequence lengths, no batched p2p, and under VPP the
+  interleaved schedule's overlapped p2p, `overlap_p2p_comm`, which Megatron-Bridge's own training
+  setup sets too): without the overlap, the schedule's steady state sends a gradient's shape back
+  while the previous stage is still sending forward (megatron-core 0.19.2 schedules.py:1908,
+  p2p_communication.py:257-259), which only a send that completes before its receive is posted
+  survives; a gloo send waits for the receive, so every pp2vpp2 training step on CPU hung, dense or
+  MoE (0.16.1 too with the overlap off);
 - MoE: the expert parallel sizes from parallel_state too; on the local spec SequentialMLP experts
   (`moe_grouped_gemm` off: the legacy GroupedMLP needs the CUDA grouped_gemm package) and no router
   fusion (TE kernels); no load-balancing loss (preflight.MOE_TRAINING_SETTINGS: the provider's
@@ -72,6 +78,10 @@ class MegatronBridgeHandle:
         overrides: dict[str, Any] = {
             "attention_softmax_in_fp32": True, "deallocate_pipeline_outputs": False,
             "variable_seq_lengths": True, "batch_p2p_comm": False,
+            # under VPP the interleaved schedule's overlapped p2p, as mbridge (and Megatron-Bridge's own
+            # CommOverlapConfig) set it: without it a training step at pp2vpp2 deadlocks on gloo
+            "overlap_p2p_comm": provider.virtual_pipeline_model_parallel_size is not None
+            and provider.pipeline_model_parallel_size > 1,
             # 0.19 refuses variable sequence lengths with any other dispatcher, even in a dense model
             "moe_token_dispatcher_type": "alltoall",
             "masked_softmax_fusion": self.harness_spec == "te" or fused_softmax_kernels_available(),
