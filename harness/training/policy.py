@@ -361,7 +361,7 @@ class PolicyWorker:
     def replica_divergence(self) -> float:
         """The largest |difference| between float32 main copies of one parameter held by several
         ranks: the tensor-parallel replicas of every parameter TP does not split (norms, row-parallel
-        biases) and, for tied embeddings under PP, the first and last stage's copies. Exactly 0 when
+        biases; an expert's over the expert-TP group) and, for tied embeddings under PP, the first and last stage's copies. Exactly 0 when
         training is right: every replica gets the same all-reduced gradient and the same update. A
         missing reduction (finalize_model_grads unset) lets the replicas drift apart, which no
         comparison of one rank's weights with a ground truth sees in bf16."""
@@ -378,11 +378,17 @@ class PolicyWorker:
             for copy in copies[1:]:
                 worst.copy_(torch.maximum(worst, (copy - copies[0]).abs().max().double().cpu()))
 
-        tp = ps.get_tensor_model_parallel_world_size()
-        if tp > 1:
-            for param, value in full.items():
-                if not getattr(param, "tensor_model_parallel", False):
-                    spread(value, ps.get_tensor_model_parallel_group(), tp)
+        tp, etp = ps.get_tensor_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
+        for param, value in full.items():
+            if getattr(param, "tensor_model_parallel", False):
+                continue
+            # An expert parameter (allreduce=False) is replicated over the expert-TP group, not the
+            # dense one: at ep over the TP ranks each TP rank holds other experts (TE's grouped experts
+            # are unmarked on megatron-core 0.16.1 even then: harness.compat.megatron_core).
+            if getattr(param, "allreduce", True) and tp > 1:
+                spread(value, ps.get_tensor_model_parallel_group(), tp)
+            elif not getattr(param, "allreduce", True) and etp > 1:
+                spread(value, ps.get_expert_tensor_parallel_group(), etp)
         if ps.get_pipeline_model_parallel_world_size() > 1 and ps.is_rank_in_embedding_group():
             for chunk in unwrap_model(list(self.models)):
                 if chunk.share_embeddings_and_output_weights and (chunk.pre_process or chunk.post_process):

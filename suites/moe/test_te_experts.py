@@ -118,3 +118,37 @@ def test_split_expert_weights_are_marked_as_megatron_marks_its_own(policy, devic
         assert result["original_marked"] and result["experts"] > 0, result
         assert result["marked"] == (result["experts"] if applied else 0), result
         assert result["same"] == applied, result
+
+
+def _replicas_with_experts_unmarked(worker) -> float:
+    """Rank function: the policy's replica check (`replica_divergence`) with the experts' weights
+    unmarked as TE leaves them on 0.16.1 (the marks put back after)."""
+    from harness.bridge import unwrap_model
+
+    experts = [p for chunk in unwrap_model(worker.models) for n, p in chunk.named_parameters() if ".experts." in n]
+    kept = [getattr(p, "tensor_model_parallel", False) for p in experts]
+    for param in experts:
+        param.tensor_model_parallel = False
+    try:
+        return worker.replica_divergence()
+    finally:
+        for param, mark in zip(experts, kept, strict=True):
+            param.tensor_model_parallel = mark
+
+
+@pytest.mark.layouts(cpu=["tp2ep2etp1-sp"], cuda=["tp2ep2etp1-sp"])
+def test_the_replica_check_does_not_take_unmarked_experts_for_tp_replicas(policy, device, layout, report):
+    """At tp2ep2etp1-sp each TP rank holds other experts: they are not replicas of each other. The
+    policy's replica check compares what TP does not split over the TP group; an expert parameter
+    (allreduce=False) it compares over the expert-TP group (here one rank) instead. The 2x H200 run
+    showed why: with TE's unmarked experts the check compared rank 0's experts with rank 1's (1.04)."""
+    from harness.training import make_rl_train_batch
+    from harness.training.invariance import policy_config
+
+    worker = policy(layout, MODEL, **policy_config())
+    worker.step(make_rl_train_batch(251, batch_size=4, seed=0, prompt_lengths=[3, 6, 2, 5],
+                                    response_lengths=[5, 4, 6, 3]))
+    spread = worker.apply(_replicas_with_experts_unmarked)[0]
+    report.add("replica_max_abs_diff", spread, tolerance=0.0, passed=spread == 0.0, claim="exact", layout=layout,
+               model=MODEL, unmarked_experts=True)
+    assert spread == 0.0, f"replicas differ by {spread:g} with the experts unmarked"
