@@ -23,6 +23,8 @@ H200X2_RUN = "reports/gpu/2026-11-23-h200x2/parity-training-sensitivity/run/resu
 H100_FP8 = "reports/gpu/2026-11-24-h100-fp8/measure/fp8.json"
 CPU_MOE_PARITY = "reports/cpu/2026-11-26-moe-parity/run/results.json"
 CPU_MOE_APPROXIMATE = "reports/cpu/2026-11-26-moe-approximate/run/results.json"
+H200X2_MOE_TE_A = "reports/gpu/2026-11-26-h200x2-moe-te/rows-a/20261126-032930-33f064/results.json"
+H200X2_MOE_TE_B = "reports/gpu/2026-11-26-h200x2-moe-te/rows-b/20261126-033518-0b9df6/results.json"
 
 NOTES = {
     CPU_BASELINE: "CPU/gloo baseline (make test)",
@@ -41,6 +43,9 @@ NOTES = {
                     "tp2ep2etp1dp2-sp/pp2ep2dp2, both dispatchers (issue 26 run, c787440)",
     CPU_MOE_APPROXIMATE: "CPU/gloo, the approximate-moe regime (fused norms): tiny-qwen3-moe and tiny-mixtral in bf16 "
                          "at tp1/dp2ep2/tp2-sp/tp2ep2etp1-sp/pp2, and the MoE controls (issue 26 run)",
+    H200X2_MOE_TE_A: "2x H200, NCCL, stack A (megatron-core 0.16.1 + mbridge), suites/moe with its nightly sweeps on TE's "
+                     "spec (TE 2.20.2) and the local one: the approximate-moe regime at every 2-GPU layout (issue 26 run, 8bd5774)",
+    H200X2_MOE_TE_B: "2x H200, NCCL, stack B (megatron-core 0.19.2 + Megatron-Bridge), the same run (issue 26 run, 8bd5774)",
 }
 
 
