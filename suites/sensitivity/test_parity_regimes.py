@@ -100,8 +100,8 @@ def test_where_the_arithmetic_cannot_match_the_fp32_evaluation_catches_fine_vari
 def test_moe_bf16_needs_the_arranged_reference(world, device, layout, hf_cache, report):
     """A correct MoE model in bf16 against a plain HF reference: a token near a routing tie goes to
     another expert on one side, and the logprobs move by far more than the dense models' bf16
-    noise (CPU, tiny-qwen3-moe: max |d| 0.27, past the approximate bound 0.2; tiny-mixtral tp2-sp
-    0.62). Arranged (the router's top-k softmax, the routing weight before linear_fc2, the experts'
+    noise (CPU, tiny-qwen3-moe: max |d| 0.27, past the dense approximate bound 0.2; tiny-mixtral tp2-sp
+    0.62: the approximate-moe regime). Arranged (the router's top-k softmax, the routing weight before linear_fc2, the experts'
     partial sums reproduced) it is exact: <= 9.5e-7."""
     approximate, exact = (run_parity(world, ParityCase("tiny-qwen3-moe", layout, "bf16", **case), hf_cache=hf_cache,
                                      test=report.test) for case in (APPROXIMATE, {}))
