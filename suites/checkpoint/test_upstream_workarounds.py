@@ -54,8 +54,11 @@ def _bug_shows(worker, name: str, directory: str, optimizer_format: str) -> str 
     return None
 
 
-# The workarounds of model building, each with its own test below; the others are checkpoint loads'.
-BUILD = ("experts-at-ep1-etp-ne-tp",)
+# The workarounds of model building, each with its own test (below; te-grouped-experts-unmarked: its bugs
+# show with TE's grouped experts, reproduced on the local spec by suites/moe/test_te_experts.py, which
+# shows megatron-core 0.16.1's own path dropping them and 0.19.2 not needing it); the others are
+# checkpoint loads'.
+BUILD = ("experts-at-ep1-etp-ne-tp", "te-grouped-experts-unmarked")
 
 
 @pytest.mark.parametrize("name", sorted(set(BY_NAME) - set(BUILD)))
