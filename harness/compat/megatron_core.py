@@ -458,12 +458,18 @@ def mark_split_expert_weights(model: torch.nn.Module, config) -> list[str]:
     return marked
 
 
+def expert_parallel_parts(optimizer) -> list:
+    """The parts of a (possibly chained) Megatron optimizer that hold only expert-parallel parameters:
+    megatron-core gives the experts an optimizer of their own where they are expert-parallel."""
+    return [part for part in getattr(optimizer, "chained_optimizers", [optimizer])
+            if part.param_groups and all(group.get("is_expert_parallel") for group in part.param_groups)]
+
+
 def filter_expert_grads_over_expert_tp(optimizer) -> int:
     """`TE_GROUPED_EXPERTS_UNMARKED`: the expert-parallel parts of a (chained) optimizer filter their
     parameters' tensor-parallel duplicates over the expert-TP group, as 0.19.2 does (call once the
     optimizer is built). How many parts it set."""
-    parts = [part for part in getattr(optimizer, "chained_optimizers", [optimizer])
-             if part.param_groups and all(group.get("is_expert_parallel") for group in part.param_groups)]
+    parts = expert_parallel_parts(optimizer)
     if not parts:
         return 0
     require(TE_GROUPED_EXPERTS_UNMARKED)

@@ -547,10 +547,10 @@ def _drop_experts_from_grad_norm(optimizer) -> None:
     megatron-core keeps a MoE model's expert parameters in an optimizer of their own (a
     ChainedOptimizer's expert-parallel part; at ep 1 they sit with the others); leave its gradients
     out of the global grad norm, and so out of clipping."""
+    from harness.compat.megatron_core import expert_parallel_parts
     from harness.variants import VariantError
 
-    experts = [part for part in getattr(optimizer, "chained_optimizers", [optimizer])
-               if part.param_groups and all(group.get("is_expert_parallel") for group in part.param_groups)]
+    experts = expert_parallel_parts(optimizer)
     if not experts:
         raise VariantError("variant 'grad-norm-without-experts' needs a MoE model under expert parallelism "
                            "(ep >= 2: only then does megatron-core give the experts an optimizer of their own)")

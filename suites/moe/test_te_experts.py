@@ -18,8 +18,9 @@ MODEL = "tiny-qwen3-moe"
 
 def _expert_main_params(worker):
     """The expert-parallel parts of the policy's chained optimizer and their (main) parameters."""
-    parts = [part for part in getattr(worker.optimizer, "chained_optimizers", [worker.optimizer])
-             if part.param_groups and all(group.get("is_expert_parallel") for group in part.param_groups)]
+    from harness.compat.megatron_core import expert_parallel_parts
+
+    parts = expert_parallel_parts(worker.optimizer)
     return parts, [param for part in parts for param in part.get_parameters()]
 
 
