@@ -47,6 +47,7 @@ python3 ci/gpu_report.py --name "$name" --junit "$out/$name.junit.xml" --log "$o
 rm -f "$out/$name.junit.xml"  # summarized in $name.json; keeps the files that come back few
 # The device tool returns a bounded number of files per call (8 on 2026-11-23: the rows of two runs
 # were lost that way). The rows live in results.json; the HTML and CSV renderings are rebuilt from
-# it (`mrh report render`), so they do not travel.
-if [ -n "${ROWS_DIR:-}" ]; then rm -f "$ROWS_DIR/report.html" "$ROWS_DIR/results.csv"; fi
+# it (`mrh report render`), so they do not travel. And the run comes back packed, as it is committed
+# (docs/reports.md: JSON and logs over 64 KiB gzip'd, readers take both forms; standard library only).
+python3 -m harness.report.packed "$out/$name.json" "$out/$name.log" ${ROWS_DIR:+"$ROWS_DIR"} || rc=1
 exit $rc

@@ -14,6 +14,7 @@ from importlib import metadata
 from pathlib import Path
 
 from harness.report.fingerprint import git_revision
+from harness.report.packed import RESULTS_FORMS, read_json
 
 
 def _version(dist: str) -> str | None:
@@ -60,8 +61,9 @@ def _metric_rows(rows_dir: str | None) -> list[dict]:
     if not rows_dir:
         return []
     found = []
-    for path in sorted(Path(rows_dir).glob("*/results.json")):
-        found += json.loads(path.read_text())["rows"]
+    runs = sorted({path.parent for path in Path(rows_dir).glob("*/results.json*") if path.name in RESULTS_FORMS})
+    for run in runs:  # results.json, or a packed results.json.gz (harness.report.packed)
+        found += read_json(run / "results.json")["rows"]
     return found
 
 

@@ -2,6 +2,9 @@
 in the harness report format (results.json schema v1 + results.csv, summary.md, report.html).
 
     python ci/rereport_gpu.py reports/gpu/DIR/NAME.json reports/gpu/DIR/NAME-run
+
+NAME.json may be committed packed (NAME.json.gz, harness.report.packed): either path reads it. The run
+directory is written plain; `mrh report pack` it before committing.
 """
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from harness.report.packed import GZ, is_file, read_json, read_text
 from harness.report.render import render_run
 from harness.report.rows import SCHEMA_VERSION, atomic_write
 
@@ -36,9 +40,10 @@ def convert(device_report: dict, interrupted: bool) -> dict:
 def main(argv: list[str]) -> int:
     source, target = Path(argv[0]), Path(argv[1])
     target.mkdir(parents=True, exist_ok=True)
-    log = source.with_suffix(".log")
-    interrupted = log.is_file() and "KeyboardInterrupt" in log.read_text(errors="replace")
-    document = convert(json.loads(source.read_text()), interrupted)
+    plain = source.with_name(source.name.removesuffix(GZ))  # NAME.json or a packed NAME.json.gz
+    log = plain.with_suffix(".log")
+    interrupted = is_file(log) and "KeyboardInterrupt" in read_text(log, errors="replace")
+    document = convert(read_json(plain), interrupted)
     atomic_write(target / "results.json", json.dumps(document, indent=1))
     render_run(target)
     print(f"wrote {target}")

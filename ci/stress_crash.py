@@ -136,12 +136,15 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 def _merge(inputs: list[Path], out: Path) -> int:
+    sys.path.insert(0, str(REPO))
+    from harness.report.packed import read_json, resolve
+
     tally = Tally()
     for path in inputs:
-        path = path / "results.json" if path.is_dir() else path
+        path = resolve(path / "results.json" if path.is_dir() else path)  # committed runs: results.json.gz
         if not path.is_file():
             raise SystemExit(f"stress_crash.py: no stress results at {path}")
-        tally.add_document(json.loads(path.read_text()))
+        tally.add_document(read_json(path))
     run = {"command": "stress_crash.py --merge " + " ".join(str(p) for p in inputs)}
     flakes = _write_report(out, tally, run, done=True)
     print(f"{flakes} flakes; {out}/README.md", file=sys.stderr)

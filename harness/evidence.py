@@ -3,6 +3,10 @@
 One place names them, so a table entry says only which figure of which run it rests on. Refresh
 the CPU baseline (`make test && make baseline`) or add a GPU run, then update the cited figures:
 suites/harness/test_tolerance_evidence.py fails until they match the committed files.
+
+The paths name `results.json` (or a GPU report's NAME.json); large committed reports are stored packed
+beside that name, as `results.json.gz` (`mrh report pack`), and read through harness.report.packed,
+which takes either form.
 """
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ class Evidence:
     """A figure read off a committed run report: `statistic` of the values of the rows whose fields
     match `where` (dotted names reach into a row's `extra`: ("extra.variant", None))."""
 
-    report: str  # results.json of a run, relative to the repository root
+    report: str  # results.json of a run, relative to the repository root (committed packed: harness.report.packed)
     figure: float  # the cited value, as the origin states it (`digits` significant digits)
     where: tuple[tuple[str, Any], ...]
     statistic: Literal["max", "min"] = "max"

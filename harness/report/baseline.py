@@ -3,8 +3,9 @@
 
 Only a clean run can be a baseline: it finished, no test failed, errored or stayed unfinished, and
 no row is over tolerance outside a negative control. Otherwise one error names what is wrong and
-nothing is copied. The baseline is the run's results.json (what compare reads) and summary.md (what
-a reviewer reads in the diff), each replaced atomically.
+nothing is copied. The baseline is the run's results.json, stored packed as results.json.gz (what
+compare reads; harness.report.packed: a GPU command carries the tracked tree, so it stays small), and
+summary.md, plain (what a reviewer reads in the diff), each replaced atomically.
 """
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ import os
 import sys
 from pathlib import Path
 
-from harness.report.results import FAILING_OUTCOMES, is_real_failure, load_run, results_path
+from harness.report.packed import read_bytes, write_packed
+from harness.report.results import FAILING_OUTCOMES, RESULTS, is_real_failure, load_run, results_path
 from harness.report.rows import atomic_write
 from harness.report.summary import summary_markdown
 
 DEFAULT_BASELINE = Path("reports/baselines/cpu")
-BASELINE_FILES = ("results.json", "summary.md")
+BASELINE_FILES = ("results.json.gz", "summary.md")
 
 
 def problems(run: dict) -> list[str]:
@@ -39,8 +41,8 @@ def problems(run: dict) -> list[str]:
 
 
 def promote(run_dir: str | os.PathLike, to: str | os.PathLike = DEFAULT_BASELINE) -> list[Path]:
-    """Copy the run's results.json and summary.md into `to`; ValueError before any copy if the run
-    is unreadable or not clean."""
+    """Copy the run's results.json (packed: results.json.gz, a plain results.json there is removed)
+    and summary.md into `to`; ValueError before any copy if the run is unreadable or not clean."""
     run = load_run(run_dir)
     found = problems(run)
     if found:
@@ -48,7 +50,7 @@ def promote(run_dir: str | os.PathLike, to: str | os.PathLike = DEFAULT_BASELINE
     to = Path(to)
     to.mkdir(parents=True, exist_ok=True)
     source = results_path(run_dir)
-    written = [atomic_write(to / "results.json", source.read_bytes())]
+    written = [write_packed(to / RESULTS, read_bytes(source))]
     summary = source.with_name("summary.md")
     text = summary.read_text(encoding="utf-8") if summary.is_file() else summary_markdown(run)
     written.append(atomic_write(to / "summary.md", text))
@@ -58,7 +60,7 @@ def promote(run_dir: str | os.PathLike, to: str | os.PathLike = DEFAULT_BASELINE
 def main_baseline(argv: list[str] | None = None) -> int:
     """Exit 0 when copied, 2 when the run is unreadable or not clean (nothing copied)."""
     parser = argparse.ArgumentParser(prog="mrh report baseline", description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dir", help="run directory or its results.json")
+    parser.add_argument("run_dir", help="run directory or its results.json (plain or .gz)")
     parser.add_argument("--to", default=str(DEFAULT_BASELINE), help=f"baseline directory (default {DEFAULT_BASELINE})")
     try:
         args = parser.parse_args(argv)

@@ -1,4 +1,4 @@
-"""`mrh report compare|trend|render|baseline`: the report tools on the command line."""
+"""`mrh report compare|trend|render|baseline|pack`: the report tools on the command line."""
 from __future__ import annotations
 
 import argparse
@@ -7,9 +7,9 @@ from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", choices=("compare", "trend", "render", "baseline"),
+    parser.add_argument("action", choices=("compare", "trend", "render", "baseline", "pack"),
                         help="compare BASELINE CURRENT | trend RUN_DIR... [--out DIR] | render RUN_DIR | "
-                             "baseline RUN_DIR [--to DIR]")
+                             "baseline RUN_DIR [--to DIR] | pack PATH... [--threshold BYTES]")
     parser.add_argument("rest", nargs=argparse.REMAINDER, help="the action's own arguments (see ACTION -h)")
 
 
@@ -42,4 +42,8 @@ def main(args) -> int:
         from harness.report.baseline import main_baseline
 
         return main_baseline(args.rest)
+    if args.action == "pack":
+        from harness.report.packed import main_pack
+
+        return main_pack(args.rest)
     return _render(args.rest)

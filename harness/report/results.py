@@ -30,6 +30,10 @@ still load: the claim is inferred, harness.report.claims.infer_legacy)::
       ]
     }
 
+A committed run's results.json may be stored packed, as results.json.gz (harness.report.packed,
+`mrh report pack`): every path here names `results.json`, and the packed form is read when the plain
+file is absent.
+
 `meta.*` fields, `tests` and a row's `outcome` are optional on read (results.json files written by
 Recorder before the plugin recorded them still load): a missing row outcome is looked up in `tests`
 by nodeid, else None. `rows[].test` is the pytest nodeid of the test that produced the row.
@@ -40,7 +44,6 @@ apart from real failures, and plots of the parity matrix leave them out.
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Iterable
@@ -48,6 +51,7 @@ from typing import Any, Iterable
 import pandas as pd
 
 from harness.report.claims import infer_legacy
+from harness.report.packed import read_json, resolve
 from harness.report.rows import READABLE_VERSIONS
 
 RESULTS = "results.json"
@@ -60,24 +64,25 @@ EXTRA_DIMS = ("variant", "packing")
 
 
 def results_path(run: str | os.PathLike) -> Path:
-    """A run directory or a results.json path -> the results.json path."""
+    """A run directory, a results.json path or a results.json.gz path -> the file that holds the
+    run: results.json, else its packed form results.json.gz (the plain path when neither exists)."""
     path = Path(run)
-    return path / RESULTS if path.is_dir() else path
+    return resolve(path / RESULTS if path.is_dir() else path)
 
 
 def load_run(run_dir: str | os.PathLike) -> dict[str, Any]:
-    """Read and normalise a run's results.json (a run directory or the file itself).
+    """Read and normalise a run's results.json (a run directory or the file itself, plain or packed).
 
     Raises ValueError with the path and the reason when the file is missing, is not JSON, or has a
     schema_version this code does not know: a report of the wrong shape must not render as empty.
     """
     path = results_path(run_dir)
     if not path.is_file():
-        raise ValueError(f"{path}: no such file (expected a run directory holding {RESULTS}, "
-                         f"or the path of a {RESULTS})")
+        raise ValueError(f"{path}: no such file (expected a run directory holding {RESULTS} or {RESULTS}.gz, "
+                         f"or the path of one)")
     try:
-        document = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        document = read_json(path)  # ValueError naming the file: corrupt .gz, not JSON
+    except OSError as e:
         raise ValueError(f"{path}: not a readable JSON document ({e})") from e
     return normalise_run(document, source=str(path))
 

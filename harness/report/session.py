@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterable
 
+from harness.report.packed import resolve
 from harness.report.rows import SCHEMA_VERSION, Row, atomic_write
 _ROW_FIELDS = {f.name for f in dataclasses.fields(Row)}
 
@@ -28,16 +29,18 @@ def as_row(record: dict[str, Any], suite: str, test: str) -> Row:
 
 
 def claim_run_dir(directory: Path) -> Path | None:
-    """Make `directory` free for a new run; a previous run there (it holds results.json) is moved
-    beside it, to the timestamped name a run gets by default, and that path is returned. A
-    non-empty directory that is not a run is refused (ValueError): it is not ours to move."""
+    """Make `directory` free for a new run; a previous run there (it holds results.json, or a
+    committed run's results.json.gz) is moved beside it, to the timestamped name a run gets by
+    default, and that path is returned. A non-empty directory that is not a run is refused
+    (ValueError): it is not ours to move."""
     directory = Path(directory)
     if not directory.exists() or (directory.is_dir() and not any(directory.iterdir())):
         return None
-    if not (directory / "results.json").is_file():
+    results = resolve(directory / "results.json")  # a committed run may hold it packed (.gz)
+    if not results.is_file():
         raise ValueError(f"{directory} exists and is not a run directory (no results.json); "
                          "choose another run directory or move it away")
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime((directory / "results.json").stat().st_mtime))
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(results.stat().st_mtime))
     moved = directory.with_name(f"{stamp}-{uuid.uuid4().hex[:6]}")
     directory.rename(moved)
     return moved

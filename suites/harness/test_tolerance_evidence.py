@@ -9,7 +9,6 @@ entries it is derived from.
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from harness.checkpoint.tolerances import TABLE as RESUME
 from harness.offload.tolerances import TABLE as OFFLOAD
 from harness.parity.tolerances import FP8
 from harness.parity.tolerances import TABLE as PARITY
+from harness.report import packed
 from harness.rollout.tolerances import TABLE as SYNC
 from harness.training.tolerances import TABLE as TRAINING
 
@@ -33,9 +33,9 @@ def _id(item) -> str:
 
 @functools.cache
 def _rows(root: Path, report: str) -> list[dict]:
-    path = root / report
-    assert path.is_file(), f"{report}: cited as evidence, not committed"
-    return json.loads(path.read_text())["rows"]
+    path = root / report  # committed as is, or packed beside it (results.json.gz)
+    assert packed.is_file(path), f"{report}: cited as evidence, not committed"
+    return packed.read_json(path)["rows"]
 
 
 @pytest.mark.parametrize("item", ENTRIES, ids=[_id(i) for i in ENTRIES])

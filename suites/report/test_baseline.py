@@ -3,12 +3,14 @@ summary.md are copied; a refused run copies nothing."""
 from __future__ import annotations
 
 import copy
+import gzip
 import json
 from pathlib import Path
 
 import pytest
 
 from harness.report.baseline import main_baseline, promote
+from harness.report.results import load_run
 from suites.report.runs import make_run, nodeid, parity_rows, row, write_run
 
 
@@ -22,10 +24,25 @@ def clean(tmp_path: Path) -> Path:
 def test_a_clean_run_becomes_the_baseline(tmp_path: Path, clean: Path, capsys) -> None:
     target = tmp_path / "baselines" / "cpu"
     assert main_baseline([str(clean), "--to", str(target)]) == 0
-    assert sorted(p.name for p in target.iterdir()) == ["results.json", "summary.md"]
-    assert (target / "results.json").read_bytes() == (clean / "results.json").read_bytes()
+    assert sorted(p.name for p in target.iterdir()) == ["results.json.gz", "summary.md"]  # packed, summary plain
+    assert gzip.decompress((target / "results.json.gz").read_bytes()) == (clean / "results.json").read_bytes()
     assert (target / "summary.md").read_text() == "# the run's own summary\n"
     assert "baseline written" in capsys.readouterr().out
+    assert load_run(target)["rows"] == load_run(clean)["rows"]  # compare reads the packed form
+    assert load_run(target / "results.json")["rows"] == load_run(clean)["rows"]  # by the name BASELINE gives too
+
+
+def test_a_new_baseline_replaces_a_plain_one_and_can_come_from_a_packed_run(tmp_path: Path, clean: Path) -> None:
+    """An older baseline committed plain would shadow the packed one (readers prefer the plain
+    file): promote removes it. A packed run (a committed one) can be promoted as well."""
+    target = tmp_path / "b"
+    target.mkdir()
+    (target / "results.json").write_text("stale")
+    promote(clean, target)
+    assert sorted(p.name for p in target.iterdir()) == ["results.json.gz", "summary.md"]
+    again = tmp_path / "again"
+    promote(target / "results.json.gz", again)
+    assert (again / "results.json.gz").read_bytes() == (target / "results.json.gz").read_bytes()
 
 
 def test_a_missing_summary_is_rendered(tmp_path: Path, clean: Path) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from harness.report import Row
+from harness.report import Row, packed
 from harness.report.blocks import fmt_value
 from harness.report.fingerprint import environment_fingerprint
 from harness.report.render import render_run, write_csv, write_html, write_summary_md
@@ -20,7 +20,7 @@ from harness.report.summary import MD_LIMIT_BYTES
 from suites.report.runs import PNG_MAGIC, make_run, nodeid, parity_rows, parse_html, png_images, row, write_run
 
 REPO = Path(__file__).resolve().parents[2]
-GPU_REPORT = REPO / "reports/gpu/2026-11-21-parity-h200x4/parity-2gpu.json"
+GPU_REPORT = REPO / "reports/gpu/2026-11-21-parity-h200x4/parity-2gpu.json"  # committed packed (.json.gz)
 
 
 FAILED_TEST = nodeid("test_megatron_logprobs_match_hf", "cpu-tp2-tiny-qwen2-bf16")
@@ -198,7 +198,7 @@ def test_fmt_value() -> None:
 def gpu_report_as_run(path: Path) -> dict[str, Any]:
     """The hand-assembled GPU report (reports/gpu/...) in schema 1: its tests use dotted module
     ids (suites.parity.test_parity::x) where rows use nodeids (suites/parity/test_parity.py::x)."""
-    doc = json.loads(path.read_text())
+    doc = packed.read_json(path)
     tests = []
     for t in doc["tests"]:
         module, _, name = t["test"].partition("::")
@@ -213,7 +213,7 @@ def gpu_report_as_run(path: Path) -> dict[str, Any]:
             "tests": tests, "rows": [dict(r, outcome=outcomes.get(r["test"])) for r in doc["rows"]]}
 
 
-@pytest.mark.skipif(not GPU_REPORT.is_file(), reason="real GPU report not in this checkout")
+@pytest.mark.skipif(not packed.is_file(GPU_REPORT), reason="real GPU report not in this checkout")
 def test_real_gpu_report_renders(tmp_path: Path) -> None:
     run = gpu_report_as_run(GPU_REPORT)
     written = render_run(write_run(tmp_path, run))
