@@ -6,6 +6,10 @@
 #   Transformer Engine: carry a copy of ../shared/te as .te/ (never committed; `mkdir -p .te && cp -r
 #   ../shared/te/. .te/`): it is built once per machine (2-3 min) and every run sees it, so the CUDA
 #   variants run on both layer specs (--mrh-spec auto); without .te/ they run on the local spec only.
+#   vLLM: carry a copy of ../shared/vllm as .vllm/ (`mkdir -p .vllm && cp -r ../shared/vllm/. .vllm/`): it is
+#   installed once per machine into /tmp/vllm_site (about 1 min) and the vLLM engine's process runs there
+#   (MRH_VLLM_PYTHON, MRH_VLLM_PATH). .te/ and .vllm/ together exceed what one call carries (64 MiB):
+#   carry one per call while the machine is warm; what one call installed stays for the next.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 name=$1; shift
@@ -35,6 +39,15 @@ if [ -d .te ] && ! python3 -c "import transformer_engine" 2>/dev/null; then
     SMOKE=0 bash .te/build_on_device.sh .te > /tmp/te_build.log 2>&1 || { tail -40 /tmp/te_build.log; exit 1; }
   fi
   . /tmp/site/te_env.sh
+fi
+if [ -d .vllm ] && [ ! -f /tmp/vllm_site/vllm_env.sh ]; then
+  echo "device_run.sh: installing vLLM from .vllm/ (log /tmp/vllm_install.log)" >&2
+  bash .vllm/install_on_device.sh .vllm > /tmp/vllm_install.log 2>&1 || { tail -40 /tmp/vllm_install.log; exit 1; }
+fi
+if [ -f /tmp/vllm_site/vllm_env.sh ]; then
+  # Only the engine's process gets the vLLM site (its pinned packages stay out of the harness's imports).
+  export MRH_VLLM_PYTHON=$(command -v python3) MRH_VLLM_PATH=/tmp/vllm_site
+  export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0
 fi
 start=$(date -u +%FT%TZ); t0=$(date +%s)
 # RUN_TIMEOUT: stop with SIGINT, so pytest still writes its JUnit file and summary.

@@ -41,6 +41,7 @@ def megatron_logprobs(
     micro_batches: int = 1,
     packing: str = "right",
     length_multiple: int = 1,
+    temperature: float = 1.0,
 ) -> RankLogprobs:
     """Logprobs of this rank's data-parallel share of `batch` (the global batch, same on all ranks).
 
@@ -51,11 +52,15 @@ def megatron_logprobs(
     padded rows as they are (a negative control: left-padded rows then see pads and shifted positions).
     `length_multiple`: every micro-batch's length is padded on the right to a multiple of it (FP8
     GEMMs need rows in multiples of 16: harness.parity.fp8); right pads change no real token's logprob.
+    `temperature`: the logits are divided by it first, as a rollout engine samples (the logprob of a
+    sampled token under the distribution it was sampled from).
     """
     from megatron.core import parallel_state as ps
 
     from harness.bridge import bridge_info
 
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
     if packing == "thd" and bridge_info(models).spec != "te":
         raise ValueError("packing 'thd' feeds cu_seqlens to Transformer Engine's attention: it needs the te "
                          "spec (the local spec packs with a block-diagonal mask: 'packed')")
@@ -70,6 +75,8 @@ def megatron_logprobs(
 
     def loss_for(index, micro, tokens):
         def collect(logits: torch.Tensor):
+            if temperature != 1.0:
+                logits = logits / temperature
             logprob_parts[index] = token_logprobs(logits, tokens, micro, true_vocab)
             top1 = vocab_parallel_top1(logits[:, :-1], true_vocab)
             top1_parts[index] = micro.unmap(shift_to_tokens(top1.cpu(), -1))

@@ -22,7 +22,8 @@ FUSED_GATE_UP = "gate_up_proj"
 @dataclass(frozen=True)
 class Sampling:
     """How to sample: `n` completions per prompt of exactly `max_tokens` tokens (no early stop:
-    equal lengths keep every row's response the same size), at `temperature`, from `seed`."""
+    equal lengths keep every row's response the same size), at `temperature`, from `seed`.
+    `temperature=0` is greedy decoding (the argmax; its logprob under the plain distribution)."""
 
     n: int = 1
     max_tokens: int = 4
@@ -34,8 +35,17 @@ class Sampling:
             raise ValueError(f"n must be a positive integer, got {self.n!r}")
         if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0 (greedy is not sampling), got {self.temperature!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0: greedy), got {self.temperature!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def logprob_temperature(self) -> float:
+        """What the logits are divided by for the reported logprobs: the temperature, 1 when greedy."""
+        return 1.0 if self.greedy else float(self.temperature)
 
 
 @dataclass

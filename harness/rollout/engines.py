@@ -1,8 +1,9 @@
 """Which rollout engine a check or a loop runs: `open_engine("hf" | "vllm", model, dtype=..., device=...)`.
 
 The HF engine is built fresh each time (it lives in this process). A vLLM engine is a process that
-takes ~15 s to start, so one per (model, dtype, device) is kept for the life of this process and
-handed out reset to its checkpoint's weights; it is stopped at exit.
+takes ~15 s to start, so one per (model, dtype, device, options) is kept for the life of this process
+and handed out reset to its checkpoint's weights; it is stopped at exit. `options` reach the vLLM
+engine (`precision`, `transport`, `engine_args`, `env`: harness.rollout.vllm_engine).
 """
 from __future__ import annotations
 
@@ -14,28 +15,31 @@ ENGINES = ("hf", "vllm")
 _VLLM: dict[tuple, object] = {}
 
 
-def open_engine(kind: str, model: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+def open_engine(kind: str, model: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu", **options):
     if kind == "hf":
+        if options:
+            raise ValueError(f"the HF engine takes no options, got {sorted(options)}")
         from harness.rollout.hf_engine import HFEngine
 
         return HFEngine(model, dtype=dtype, device=device)
     if kind == "vllm":
-        return _shared_vllm(model, dtype, device)
+        return _shared_vllm(model, dtype, device, options)
     raise ValueError(f"engine must be one of {ENGINES}, got {kind!r}")
 
 
-def _shared_vllm(model: str, dtype: torch.dtype, device: str):
+def _shared_vllm(model: str, dtype: torch.dtype, device: str, options: dict):
     from harness.rollout.vllm_engine import VLLMEngine
 
-    key = (str(model), dtype, str(device))
+    key = (str(model), dtype, str(device), repr(sorted(options.items())))
     engine = _VLLM.get(key)
     if engine is not None and engine.alive:
         if engine.asleep:
             engine.wake()
         engine.hold_fused_groups = True
+        engine.reset_cache_on_load = True
         engine.reset()
         return engine
-    engine = VLLMEngine(model, dtype=dtype, device=device)
+    engine = VLLMEngine(model, dtype=dtype, device=device, **options)
     _VLLM[key] = engine
     return engine
 

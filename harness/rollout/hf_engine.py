@@ -73,6 +73,10 @@ class HFEngine:
     @staticmethod
     def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        if temperature == 0:  # greedy: the argmax, its logprob under the plain distribution
+            logprobs = torch.log_softmax(logits.float().cpu(), dim=-1)
+            token = logprobs.argmax(-1)
+            return token, logprobs.gather(1, token.unsqueeze(1)).squeeze(1)
         logprobs = torch.log_softmax(logits.float().cpu() / temperature, dim=-1)
         token = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)
         return token, logprobs.gather(1, token.unsqueeze(1)).squeeze(1)

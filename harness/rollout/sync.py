@@ -8,6 +8,10 @@ and up projections travel fused (`gate_up_proj`, gate rows first, as vLLM packs 
 
     report = sync_weights(policy, engine, bucket_bytes=1 << 20)
 
+How a bucket reaches the engine is the engine's `transport` (harness.rollout.transfer): `host` (rank
+0 copies to the CPU, the driver pickles it on) or `cuda-ipc` (rank 0 packs the bucket into one CUDA
+buffer and the engine maps it by an IPC handle: colocated vLLM on GPU).
+
 The catalog's `weight-sync` variants are upstream bugs of exactly this path (harness.variants);
 `sync-split-fused-group` is the vLLM adapter's (it loads each bucket as it comes, harness.rollout.vllm_engine).
 A MoE model's experts travel one tensor per expert (`mlp.experts.<e>.gate_up_proj.weight`, ...), so an
@@ -25,6 +29,7 @@ from typing import Any, Iterator
 import torch
 
 from harness.rollout.engine import FUSED_GATE_UP
+from harness.rollout.transfer import TRANSPORTS, bucket_names, bucket_nbytes
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 IMPLEMENTED = ("sync-skipped-bucket", "sync-swapped-tp-shards", "sync-unsynced-tied-embedding",
@@ -52,6 +57,12 @@ class SyncReport:
     seconds: float = 0.0
     names: list[str] = field(default_factory=list)
     bucket_tensors: list[int] = field(default_factory=list)  # tensors per bucket, in order (cuts `names`)
+    transport: str = "host"
+
+    @property
+    def gbps(self) -> float:
+        """Bytes moved per second of the whole update, in GB/s (1e9 bytes)."""
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("nan")
 
 
 def sync_weights(policy, engine, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, variant: str | None = None,
@@ -66,13 +77,17 @@ def sync_weights(policy, engine, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, va
     if variant == "sync-split-fused-group" and not hasattr(engine, "hold_fused_groups"):
         raise VariantError(f"variant {variant!r} needs an engine that fuses q/k/v on load (vLLM), "
                            f"not {type(engine).__name__}")
-    report = SyncReport(bucket_bytes=bucket_bytes)
+    transport = getattr(engine, "transport", "host")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"engine transport must be one of {TRANSPORTS}, got {transport!r}")
+    report = SyncReport(bucket_bytes=bucket_bytes, transport=transport)
     start = time.perf_counter()
-    policy.apply(_open, bucket_bytes, variant)
+    policy.apply(_open, bucket_bytes, variant, transport)
     if variant == "sync-split-fused-group":
         engine.hold_fused_groups = False  # the upstream bug: each bucket loaded as it comes
     try:
         _stream(policy, engine, variant, report, progress)
+        policy.apply(_release)
     finally:
         if variant == "sync-split-fused-group":
             engine.hold_fused_groups = True
@@ -84,24 +99,29 @@ def _stream(policy, engine, variant: str | None, report: SyncReport, progress) -
     done = False
     while not done:
         bucket, done = policy.apply(_next)[0]
-        size = sum(t.numel() * t.element_size() for _, t in bucket)
+        size = bucket_nbytes(bucket)
         # The upstream bug: an index slip drops one bucket; the engine keeps its old tensors.
         if not (variant == "sync-skipped-bucket" and report.buckets == 1):
             engine.update_weights(bucket)
         report.buckets += 1
-        report.tensors += len(bucket)
-        report.bucket_tensors.append(len(bucket))
+        names = bucket_names(bucket)
+        report.tensors += len(names)
+        report.bucket_tensors.append(len(names))
         report.bytes += size
         report.max_bucket_bytes = max(report.max_bucket_bytes, size)
-        report.names += [name for name, _ in bucket]
+        report.names += names
         if progress is not None:
             progress(report)
 
 
 # ------------------------------------------------------------------------------ rank side
-def _open(worker, bucket_bytes: int, variant: str | None) -> None:
+def _open(worker, bucket_bytes: int, variant: str | None, transport: str = "host") -> None:
     worker.offloader.require("params", what="a weight sync")
-    worker.sync_stream = _Stream(worker.models, bucket_bytes, variant)
+    if transport == "cuda-ipc" and not torch.cuda.is_available():
+        raise ValueError("transport 'cuda-ipc' needs CUDA ranks (the engine maps rank 0's GPU buffer)")
+    worker.sync_stream = _Stream(worker.models, bucket_bytes, variant, on_device=transport == "cuda-ipc")
+    worker.sync_transport = transport
+    worker.sync_shared = None  # the buffer of the bucket last shared: kept until the next is asked for
 
 
 def _next(worker) -> tuple[list[tuple[str, torch.Tensor]] | None, bool]:
@@ -110,17 +130,29 @@ def _next(worker) -> tuple[list[tuple[str, torch.Tensor]] | None, bool]:
     stream = getattr(worker, "sync_stream", None)
     if stream is None:
         raise RuntimeError("no weight sync is open on this worker")
+    worker.sync_shared = None  # the engine answered for the last bucket before this call: free it
     bucket, done = stream.next_bucket()
     if done:
         worker.sync_stream = None
-    return (bucket if dist.get_rank() == 0 else None), done
+    if dist.get_rank() != 0:
+        return None, done
+    if getattr(worker, "sync_transport", "host") == "cuda-ipc" and bucket:
+        from harness.rollout.transfer import pack
+
+        worker.sync_shared, bucket = pack(bucket)
+    return bucket, done
+
+
+def _release(worker) -> None:
+    """After the engine took the last bucket: free its shared buffer."""
+    worker.sync_shared = None
 
 
 class _Stream:
     """The export as buckets. Every rank runs the same walk (the collectives pair up) and makes
     the same bucket cuts from the tensors' sizes; only rank 0 keeps copies."""
 
-    def __init__(self, models, bucket_bytes: int, variant: str | None) -> None:
+    def __init__(self, models, bucket_bytes: int, variant: str | None, on_device: bool = False) -> None:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
@@ -130,6 +162,7 @@ class _Stream:
         self.limit = bucket_bytes
         self.variant = variant
         self.keep = dist.get_rank() == 0
+        self.on_device = on_device  # cuda-ipc: rank 0 keeps its copies on its GPU
         self.tp = ps.get_tensor_model_parallel_world_size()
         self.pp = ps.get_pipeline_model_parallel_world_size()
         self.tied = bool(getattr(unwrap_model(models)[0], "share_embeddings_and_output_weights", False))
@@ -175,8 +208,12 @@ class _Stream:
     def _transform(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         # Copy: the bridge yields views into its gather buffers. Ranks other than 0 keep a meta
         # tensor of the same size (only sizes decide the cuts).
-        tensor = (tensor.detach().to("cpu").clone(memory_format=torch.contiguous_format) if self.keep
-                  else torch.empty(tensor.shape, dtype=tensor.dtype, device="meta"))
+        if self.keep:
+            tensor = tensor.detach()
+            tensor = (tensor.clone(memory_format=torch.contiguous_format) if self.on_device
+                      else tensor.to("cpu").clone(memory_format=torch.contiguous_format))
+        else:
+            tensor = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
         if name in self.sent:  # a tied embedding's second copy (last PP stage): equal, or a bug
             first = self.sent[name]
             if self.keep and first is not None and not torch.equal(first, tensor):

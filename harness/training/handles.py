@@ -134,14 +134,15 @@ class _Handle:
         """`worker.<method>(*args, **kwargs)` on every rank; returns each rank's result."""
         return self.apply(_call_method, method, *args, timeout=timeout, **kwargs)
 
-    def logprobs(self, batch, micro_batches: int | None = None) -> torch.Tensor:
+    def logprobs(self, batch, micro_batches: int | None = None, temperature: float = 1.0) -> torch.Tensor:
         """[B, S] logprobs of `batch` under the current weights (0 where undefined), assembled from
-        the ranks; `micro_batches` per data-parallel rank, by default the fewest the layout takes."""
+        the ranks; `micro_batches` per data-parallel rank, by default the fewest the layout takes; the
+        logits divided by `temperature` (a rollout engine's sampling temperature)."""
         from harness.logprobs.megatron import assemble
 
         micro_batches = micro_batches or self.layout.micro_batch_multiple
         self.layout.check_micro_batches(micro_batches, "micro_batches")
-        logprobs, _ = assemble(self.call("logprobs", batch, micro_batches))
+        logprobs, _ = assemble(self.call("logprobs", batch, micro_batches, temperature))
         return logprobs
 
     def offload_accounting(self) -> list[dict[str, Any]]:

