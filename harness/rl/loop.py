@@ -6,10 +6,16 @@ group-normalized advantages, the trainer's old logprobs, a policy step, a weight
 
 Each iteration: (colocated: offload the policy, wake the engine) generate n completions per prompt
 -> (colocated: engine sleeps, policy reloads) rewards -> advantages (reward minus the group mean,
-over the group std) -> old logprobs from the trainer (and the engine's, to measure how far the two
-are apart: token_mult_prob_error, NeMo-RL's health metric) -> one policy step -> sync the weights
-into the engine. Everything is seeded from `LoopConfig.seed`: the same seed gives the same
-trajectory.
+over the group std) -> old logprobs from the trainer, and how far the engine's logprobs of the
+tokens it sampled are from them (harness.rollout.mismatch: mean/max/p99 |d|, token_mult_prob_error,
+NeMo-RL's health metric, the k3 KL(engine || trainer), the share of tokens off by more than a factor
+of 2) -> one policy step -> sync the weights into the engine. Everything is seeded from
+`LoopConfig.seed`: the same seed gives the same trajectory.
+
+On CUDA the engine (HF or vLLM) shares the first GPU with rank 0; `colocate=True` gives the GPU to
+one of them at a time: the policy is offloaded while the engine generates, the engine sleeps (vLLM's
+sleep mode frees its weights and KV cache) while the policy computes logprobs and trains, and wakes
+for the weight sync.
 """
 from __future__ import annotations
 
@@ -32,7 +38,7 @@ class LoopConfig:
     prompts_per_step: int = 4
     group_size: int = 4  # completions per prompt (GRPO's group)
     max_tokens: int = 4
-    temperature: float = 1.0
+    temperature: float = 1.0  # 1.0 only: the policy step computes its logprobs at temperature 1
     lr: float = 1e-2
     micro_batches: int = 2
     clip_eps: float = 0.2
@@ -55,6 +61,10 @@ class LoopConfig:
             raise ValueError(f"dtype must be fp32 or bf16, got {self.dtype!r}")
         if not self.lr > 0 or self.kl_coef < 0:
             raise ValueError("lr must be > 0 and kl_coef >= 0")
+        if self.temperature != 1.0:
+            raise ValueError(f"temperature must be 1.0, got {self.temperature!r}: the policy step computes its "
+                             "logprobs at temperature 1, so old logprobs, the engine's and the step's would be "
+                             "of different distributions")
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if self.routing_replay and self.engine != "hf":
@@ -69,16 +79,24 @@ class Iteration:
     reward_std: float
     loss: float
     grad_norm: float
-    token_mult_prob_error: float  # engine vs trainer logprobs of the sampled tokens
-    max_abs: float
-    mean_abs: float
+    # The engine's logprobs of the tokens it sampled vs the trainer's old logprobs of the same tokens
+    # (harness.rollout.mismatch.mismatch_metrics, r = trainer - engine per token):
+    token_mult_prob_error: float  # mean exp(|r|), 1 for a perfect match
+    max_abs: float  # max |r|
+    mean_abs: float  # mean |r|
+    p99_abs: float  # the 99th percentile of |r|
+    kl_k3: float  # mean exp(r) - 1 - r: the k3 estimate of KL(engine || trainer) from the engine's samples
+    frac_over_ln2: float  # the share of tokens with |r| > ln 2 (a probability off by more than a factor of 2)
+    mismatch_tokens: int  # the sampled tokens compared
     tokens: list[list[int]] = field(repr=False, default_factory=list)  # the sampled completions
     seconds: dict[str, float] = field(default_factory=dict)
     # With routing replay: the fraction of (real token, layer) top-k sets the trainer routed as the
     # engine did, the worse of its logprob pass and its step (1.0 when replay works).
     routing_agreement: float | None = None
 
-    METRICS = ("reward_mean", "reward_std", "loss", "grad_norm", "token_mult_prob_error", "max_abs", "mean_abs")
+    # The engine-vs-trainer figures, each a report row and a line of the mismatch plot (mrh loop).
+    MISMATCH = ("token_mult_prob_error", "max_abs", "mean_abs", "p99_abs", "kl_k3", "frac_over_ln2")
+    METRICS = ("reward_mean", "reward_std", "loss", "grad_norm", *MISMATCH)
 
     def metrics(self) -> dict[str, float]:
         return {m: getattr(self, m) for m in self.METRICS}
@@ -137,7 +155,7 @@ class RLLoop:
         return self.history
 
     def step(self) -> Iteration:
-        from harness.parity.metrics import compare_logprobs
+        from harness.rollout.mismatch import mismatch_metrics
         from harness.training.rl_data import RLTrainBatch
 
         c, it = self.config, len(self.history)
@@ -146,7 +164,8 @@ class RLLoop:
         t = time.perf_counter()
         if c.colocate:
             self.policy.offload()
-            self.engine.wake()
+            if self.engine.asleep:  # awake since the last sync; vLLM's wake_up is for a sleeping engine
+                self.engine.wake()
         rollouts = self.engine.generate(prompts, Sampling(n=c.group_size, max_tokens=c.max_tokens,
                                                           temperature=c.temperature, seed=c.seed * 1_000_003 + it),
                                         **({"routing": True} if c.routing_replay else {}))
@@ -161,7 +180,8 @@ class RLLoop:
         t = time.perf_counter()
         old, taken = self._old_logprobs(rollouts)
         ref = self.reference.logprobs(batch) if self.reference is not None else old
-        agreement = compare_logprobs(old, rollouts.logprobs, batch.response_mask)
+        # On the host: the engine's logprobs and the trainer's may come from different devices.
+        mismatch = mismatch_metrics(rollouts.logprobs.cpu(), old.cpu(), batch.response_mask.cpu())
         stats, routed = self._train(RLTrainBatch(batch, advantages.float(), old, ref), rollouts, taken)
         seconds["train"] = time.perf_counter() - t
         t = time.perf_counter()
@@ -169,10 +189,11 @@ class RLLoop:
             self.engine.wake()
         sync_weights(self.policy, self.engine, bucket_bytes=c.bucket_bytes)
         seconds["sync"] = time.perf_counter() - t
-        return Iteration(it, float(rewards.mean()), float(rewards.std(unbiased=False)), float(stats["loss"]),
-                         float(stats["grad_norm"]), float(agreement["token_mult_prob_error"]),
-                         float(agreement["max_abs"]), float(agreement["mean_abs"]),
-                         rollouts.completions.tolist(), seconds, routed)
+        return Iteration(iteration=it, reward_mean=float(rewards.mean()), reward_std=float(rewards.std(unbiased=False)),
+                         loss=float(stats["loss"]), grad_norm=float(stats["grad_norm"]),
+                         **{m: float(mismatch[m]) for m in Iteration.MISMATCH},
+                         mismatch_tokens=int(mismatch["tokens"]), tokens=rollouts.completions.tolist(),
+                         seconds=seconds, routing_agreement=routed)
 
     # With routing replay (R3) the policy's routers replay the engine's routes in both passes.
     def _old_logprobs(self, rollouts):

@@ -1,10 +1,15 @@
 """The weight-sync invariants as one check (suites/rollout, `mrh repro` of the weight-sync variants).
 
-After a training step and a sync:
+The engine first serves the check's prompts at the checkpoint's weights (a prefix cache now holds
+their KV). After a training step, a sync, and the engine's sleep/wake round trip (colocation):
   (a) the engine's weights equal the policy's exported HF weights, every tensor bit for bit;
-  (b) the engine's logprobs of its own samples match the trainer's logprobs of the same tokens
-      (max |d|, mean |d|, token_mult_prob_error; bounds per dtype in harness.rollout.tolerances);
+  (b) the engine's logprobs of its own samples (at temperature 0.8; prompts it served before the sync
+      among them) match the trainer's logprobs of the same tokens at the same temperature (max |d|,
+      mean |d|, token_mult_prob_error; bounds per dtype in harness.rollout.tolerances);
   (c) a second sync with no step in between changes no engine weight and no engine logprob.
+The engine-side variants act here: sync-stale-prefix-cache (the engine keeps its prefix cache across
+the update), sync-sleep-level2-no-reload (the sleep discards the weights), logprobs-before-temperature
+(the trainer's logprobs without the temperature).
 """
 from __future__ import annotations
 
@@ -21,7 +26,8 @@ from harness.tolerance import CheckResult, Judged
 MODEL = "tiny-qwen3"
 BUCKET_BYTES = 16 << 10  # small: the tiny model streams in ~100 buckets, so a skipped one shows
 CONFIG = dict(lr=1e-3, micro_batches=2)
-SAMPLING = Sampling(n=2, max_tokens=6, seed=11)
+SAMPLING = Sampling(n=2, max_tokens=6, temperature=0.8, seed=11)
+LONG_PROMPT = 40  # tokens: whole KV blocks (16 tokens on CUDA) a prefix cache can keep
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -30,6 +36,12 @@ def prompts(vocab_size: int, count: int = 4, seed: int = 5) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(3, 9, (count,), generator=g)
     return [torch.randint(1, vocab_size, (int(n),), generator=g).tolist() for n in lengths]
+
+
+def check_prompts(vocab_size: int) -> list[list[int]]:
+    """The sync check's prompts: four short ones and one of LONG_PROMPT tokens (whole KV blocks)."""
+    g = torch.Generator().manual_seed(6)
+    return prompts(vocab_size) + [torch.randint(1, vocab_size, (LONG_PROMPT,), generator=g).tolist()]
 
 
 def engine_device(device: str) -> str:
@@ -77,26 +89,41 @@ def sync_check(make_policy: Callable[..., Any], layout: str, dtype: str = "fp32"
     try:
         engine = open_engine(engine, model, dtype=DTYPES[dtype], device=engine_device(device))
         vocab = load_hf_config(model).vocab_size
+        engine.generate(check_prompts(vocab), SAMPLING)  # served at the old weights: a prefix cache keeps them
         for step in range(steps):
             policy.step(make_rl_train_batch(vocab, batch_size=4, seed=step, prompt_lengths=[3, 6, 2, 5],
                                             response_lengths=[5, 4, 6, 3]))
-        result.report = sync_weights(policy, engine, bucket_bytes=BUCKET_BYTES, variant=variant)
+        if variant == "sync-stale-prefix-cache":
+            engine.reset_cache_on_load = False  # NeMo-RL 4018's bug: the cache outlives the update
+        try:
+            result.report = sync_weights(policy, engine, bucket_bytes=BUCKET_BYTES, variant=variant)
+        finally:
+            if variant == "sync-stale-prefix-cache":
+                engine.reset_cache_on_load = True
+        # colocation: the engine sleeps while the trainer works (TRL 5312's bug: level 2 drops the weights)
+        if variant == "sync-sleep-level2-no-reload":
+            engine.sleep(level=2)
+        else:
+            engine.sleep()
+        engine.wake()
         diffs = engine_weight_diffs(engine.weights(), policy.hf_state_dict())
         bad = diffs["missing"] + diffs["extra"] + diffs["unequal"]
         result.check("unequal_tensors", len(bad), ", ".join(bad[:4]))
         result.check("engine_max_abs_diff", diffs["max_abs_diff"])
-        _logprob_agreement(result, policy, engine, vocab)
+        _logprob_agreement(result, policy, engine, vocab, variant)
         _resync_changes_nothing(result, policy, engine, vocab, variant)
     finally:
         policy.close()
     return result
 
 
-def _logprob_agreement(result: SyncResult, policy, engine, vocab: int) -> None:
+def _logprob_agreement(result: SyncResult, policy, engine, vocab: int, variant: str | None = None) -> None:
     from harness.parity.metrics import compare_logprobs
 
-    rollouts = engine.generate(prompts(vocab), SAMPLING)
-    trainer = policy.logprobs(rollouts.batch)
+    rollouts = engine.generate(check_prompts(vocab), SAMPLING)
+    # vime 64's bug: one side's logprobs before the temperature
+    temperature = 1.0 if variant == "logprobs-before-temperature" else SAMPLING.logprob_temperature
+    trainer = policy.logprobs(rollouts.batch, temperature=temperature)
     metrics = compare_logprobs(trainer, rollouts.logprobs, rollouts.batch.response_mask)
     for metric in ("max_abs", "mean_abs", "token_mult_prob_error"):
         result.check(metric, metrics[metric])
@@ -106,10 +133,10 @@ def _resync_changes_nothing(result: SyncResult, policy, engine, vocab: int, vari
     from harness.rollout.sync import engine_weight_diffs, sync_weights
 
     before = engine.weights()
-    first = engine.generate(prompts(vocab), SAMPLING)
+    first = engine.generate(check_prompts(vocab), SAMPLING)
     sync_weights(policy, engine, bucket_bytes=BUCKET_BYTES, variant=variant)
     changed = engine_weight_diffs(engine.weights(), before)
     result.check("resync_changed_tensors", len(changed["unequal"]))
-    again = engine.generate(prompts(vocab), SAMPLING)
+    again = engine.generate(check_prompts(vocab), SAMPLING)
     same = torch.equal(first.batch.input_ids, again.batch.input_ids) and torch.equal(first.logprobs, again.logprobs)
     result.check("resync_changed_rollouts", 0 if same else 1)

@@ -33,11 +33,17 @@ from harness.rollout.transfer import TRANSPORTS, bucket_names, bucket_nbytes
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 IMPLEMENTED = ("sync-skipped-bucket", "sync-swapped-tp-shards", "sync-unsynced-tied-embedding",
-               "sync-swapped-gate-up", "sync-split-fused-group", "sync-expert-group-split")
+               "sync-swapped-gate-up", "sync-split-fused-group", "sync-expert-group-split", "sync-skipped",
+               "sync-qkv-not-grouped", "sync-experts-misordered",
+               # the engine's and the check's (harness.rollout.check)
+               "sync-stale-prefix-cache", "sync-sleep-level2-no-reload", "logprobs-before-temperature")
 # HF projections that Megatron splits by output rows over TP (column-parallel).
 _COLUMN_PARALLEL = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")
 _EMBEDDINGS = ("model.embed_tokens.weight", "lm_head.weight")
 _EXPERT = re.compile(r"^(.*\.experts)\.\d+\.(.+)$")
+VLLM_ONLY = ("sync-split-fused-group", "sync-stale-prefix-cache", "sync-sleep-level2-no-reload")
+_EXPERT_INDEX = re.compile(r"^(.*\.experts\.)(\d+)(\..+)$")
+_QKV = ("q_proj", "k_proj", "v_proj")
 
 
 def expert_group(name: str) -> str | None:
@@ -74,9 +80,9 @@ def sync_weights(policy, engine, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, va
     if not (isinstance(bucket_bytes, int) and bucket_bytes > 0):
         raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
     require(variant, check="weight-sync", layout=policy.layout, config=load_hf_config(policy.path))
-    if variant == "sync-split-fused-group" and not hasattr(engine, "hold_fused_groups"):
-        raise VariantError(f"variant {variant!r} needs an engine that fuses q/k/v on load (vLLM), "
-                           f"not {type(engine).__name__}")
+    if variant in VLLM_ONLY and not hasattr(engine, "hold_fused_groups"):
+        raise VariantError(f"variant {variant!r} is the vLLM engine's (fused q/k/v on load, a prefix cache, "
+                           f"sleep levels), not {type(engine).__name__}'s")
     transport = getattr(engine, "transport", "host")
     if transport not in TRANSPORTS:
         raise ValueError(f"engine transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -100,8 +106,9 @@ def _stream(policy, engine, variant: str | None, report: SyncReport, progress) -
     while not done:
         bucket, done = policy.apply(_next)[0]
         size = bucket_nbytes(bucket)
-        # The upstream bug: an index slip drops one bucket; the engine keeps its old tensors.
-        if not (variant == "sync-skipped-bucket" and report.buckets == 1):
+        # The upstream bugs: an index slip drops one bucket, or the whole update is never sent; the
+        # engine keeps its old tensors.
+        if not (variant == "sync-skipped-bucket" and report.buckets == 1) and variant != "sync-skipped":
             engine.update_weights(bucket)
         report.buckets += 1
         names = bucket_names(bucket)
@@ -169,11 +176,16 @@ class _Stream:
         self.sent: dict[str, torch.Tensor | None] = {}  # name -> the copy, kept for embeddings only
         self.halves: dict[str, dict[str, torch.Tensor]] = {}  # MLP prefix -> gate/up awaiting its pair
         self.ready: list[tuple[str, torch.Tensor]] = []  # transformed, not yet in a bucket
-        if variant == "sync-expert-group-split":
+        if variant in ("sync-expert-group-split", "sync-experts-misordered", "sync-qkv-not-grouped"):
             from harness.bridge import hf_config
             from harness.bridge.preflight import num_experts
 
-            self.experts = num_experts(hf_config(models))
+            config = hf_config(models)
+            self.experts = num_experts(config)
+            heads = config.num_attention_heads
+            self.qkv_shape = (heads, config.num_key_value_heads or heads,
+                              getattr(config, "head_dim", None) or config.hidden_size // heads)
+            self.qkv: dict[str, dict[str, torch.Tensor]] = {}  # attention prefix -> q/k/v awaiting the rest
 
     def next_bucket(self) -> tuple[list[tuple[str, torch.Tensor]], bool]:
         bucket, size = [], 0
@@ -224,10 +236,42 @@ class _Stream:
             return []  # the upstream bug: the tied weight is left to "the other stage"
         if self.variant == "sync-swapped-tp-shards" and self.tp > 1 and name.endswith(_COLUMN_PARALLEL):
             tensor = torch.cat(list(reversed(tensor.chunk(self.tp, dim=0))), dim=0)
+        if self.variant == "sync-qkv-not-grouped" and name.endswith(tuple(f".{p}.weight" for p in _QKV)):
+            return self._ungrouped_qkv(name, tensor)
         for half in ("gate_proj", "up_proj"):
             if name.endswith(f".{half}.weight"):
-                return self._fuse(name[: -len(f"{half}.weight")], half, tensor)
-        return [(name, tensor)]
+                return self._misordered(self._fuse(name[: -len(f"{half}.weight")], half, tensor))
+        return self._misordered([(name, tensor)])
+
+    def _misordered(self, pairs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """The sync-experts-misordered variant (SkyRL issue 1680's symptom): expert e sent as e+1 mod E."""
+        if self.variant != "sync-experts-misordered":
+            return pairs
+        out = []
+        for name, tensor in pairs:
+            match = _EXPERT_INDEX.match(name)
+            if match:
+                name = f"{match.group(1)}{(int(match.group(2)) + 1) % self.experts}{match.group(3)}"
+            out.append((name, tensor))
+        return out
+
+    def _ungrouped_qkv(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The sync-qkv-not-grouped variant (Megatron-Bridge issue 1818): a layer's q/k/v put back into
+        Megatron's fused layout (per KV group: its q heads, its k, its v) and split as if that were
+        [all q | all k | all v]."""
+        which = next(p for p in _QKV if name.endswith(f".{p}.weight"))
+        prefix = name[: -len(f"{which}.weight")]
+        parts = self.qkv.setdefault(prefix, {})
+        parts[which] = tensor
+        if len(parts) < 3:
+            return []
+        del self.qkv[prefix]
+        heads, groups, dim = self.qkv_shape
+        q = parts["q_proj"].reshape(groups, heads // groups * dim, -1)
+        k, v = (parts[p].reshape(groups, dim, -1) for p in ("k_proj", "v_proj"))
+        fused = torch.cat([q, k, v], dim=1).reshape(-1, q.shape[-1])
+        sizes = [heads * dim, groups * dim, groups * dim]
+        return [(f"{prefix}{p}.weight", t.clone()) for p, t in zip(_QKV, fused.split(sizes, dim=0))]
 
     def _fuse(self, prefix: str, half: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         pair = self.halves.setdefault(prefix, {})

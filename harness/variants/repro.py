@@ -39,6 +39,7 @@ class Runner:
     hf_cache: dict = field(default_factory=dict)
     cache: dict = field(default_factory=dict)  # what a check makes once per run (e.g. a reference)
     spec: str = "local"  # the layer spec of its worlds (a crash trial's job starts a world of its own)
+    engine: str | None = None  # weight-sync: the rollout engine, if not the entry's own (e.g. "vllm" on CUDA)
 
     @classmethod
     def from_pool(cls, pool, device: str, workdir: Path) -> "Runner":
@@ -209,10 +210,14 @@ def _weight_sync(variant: Variant, layout: str, dtype: str, runner: Runner) -> t
     """A training step, a sync into the variant's engine (HF or vLLM), the engine against the policy
     (harness.rollout.check), with the variant and on the fixed path."""
     from harness.rollout.check import sync_check
+    from harness.rollout.vllm_engine import VLLM_TWINS
+
+    engine = runner.engine or variant.engine
+    model = VLLM_TWINS.get(variant.model, variant.model) if engine == "vllm" else variant.model
 
     def run(variant_id):
         result = sync_check(runner.make_policy, layout, dtype, variant=variant_id, device=runner.device,
-                            model=variant.model, engine=variant.engine)
+                            model=model, engine=engine)
         return Run(result.passed, result.checks, result.summary(), result.rows())
 
     return run(variant.id), run(None)

@@ -75,11 +75,24 @@ def test_a_sleeping_engine_refuses_work_until_woken(engine):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(n=0), "n must be"), (dict(max_tokens=0), "max_tokens"), (dict(temperature=0.0), "temperature"),
+    (dict(n=0), "n must be"), (dict(max_tokens=0), "max_tokens"), (dict(temperature=-0.5), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
 ])
 def test_bad_sampling_is_one_clear_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Sampling(**kwargs)
+
+
+def test_greedy_decoding_takes_the_argmax_and_reports_its_plain_logprob(engine):
+    greedy = Sampling(n=2, max_tokens=3, temperature=0.0, seed=1)
+    rollouts = engine.generate([[1, 2, 3]], greedy)
+    assert greedy.greedy and greedy.logprob_temperature == 1.0
+    assert torch.equal(rollouts.completions[0], rollouts.completions[1])  # no sampling: both rows alike
+    with torch.no_grad():
+        logits = engine.model(input_ids=rollouts.batch.input_ids[:1]).logits[0, 2:-1].float()
+    logprobs = torch.log_softmax(logits, -1)
+    assert torch.equal(rollouts.completions[0], logprobs.argmax(-1))
+    torch.testing.assert_close(rollouts.logprobs[0, 3:], logprobs.max(-1).values, rtol=0, atol=1e-5)
 
 
 def test_bad_prompts_are_one_clear_error(engine):

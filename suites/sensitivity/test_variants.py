@@ -53,8 +53,6 @@ def _applies(variant_id: str, where: str, dtype: str) -> bool:
 
 
 def _places(variant, device: str):
-    if device == "cuda" and variant.engine == "vllm":
-        return []  # vLLM is installed on the CPU tier only (the GPU image has none; README: vLLM)
     if device not in variant.devices:
         return []  # e.g. TF32 exists on CUDA only
     places = (CHECKPOINT_WHERE[variant.id] if variant.component == "checkpoint" else
@@ -72,6 +70,8 @@ def _nightly(variant, where: str, dtype: str, device: str) -> bool:
         return True
     if variant.component == "weight-sync" and _moe(variant) and where != variant.default_layout:
         return True  # a MoE entry shows wherever there are experts: CI runs its expert-parallel layout
+    if variant.component == "weight-sync" and device == "cpu" and where != variant.default_layout:
+        return True  # a sync variant breaks the same path from every layout: CI runs its default one
     if variant.component in ("offload", "weight-sync"):  # what they break is dtype-blind: CI runs fp32
         return device == "cpu" and dtype != variant.dtypes[0]
     return (device == "cpu" and dtype == "bf16" and variant.component in WHERE and where != "tp2"
@@ -104,6 +104,29 @@ def _cases():
 
 
 CASES = list(_cases())
+
+
+def _vllm_cases():
+    """On CUDA every weight-sync entry also runs on the vLLM engine (colocated, CUDA IPC), on the
+    tiny models' vLLM twins (harness.rollout.vllm_engine.VLLM_TWINS): the HF engine's entries too."""
+    from harness.rollout.vllm_engine import VLLM_TWINS
+
+    for spec in specs.selected("auto", "cuda"):
+        for variant in CATALOG.values():
+            if variant.component != "weight-sync" or variant.engine == "vllm" or "cuda" not in variant.devices:
+                continue  # a vLLM entry already runs on vLLM in CASES
+            if variant.model not in VLLM_TWINS:
+                continue  # no twin vLLM runs (the tied model's entry needs pp2 anyway)
+            for where, dtypes in _places(variant, "cuda"):
+                for dtype in dtypes:
+                    if _applies(variant.id, where, dtype):
+                        nightly = [pytest.mark.nightly] if dtype != variant.dtypes[0] else []
+                        yield pytest.param("cuda", spec, variant.id, where, dtype,
+                                           id=f"cuda-{spec}-vllm-{variant.id}-{where}-{dtype}",
+                                           marks=[pytest.mark.gpu] + nightly)
+
+
+VLLM_CASES = list(_vllm_cases())
 
 
 def test_every_entry_runs_somewhere_in_every_dtype_it_claims():
@@ -141,6 +164,12 @@ def runner(request, policy, world_pool, device, spec, tmp_path, hf_cache, crash_
         return world_pool.get(size, device, spec, env=env)
 
     return Runner(device, world_for, policy, tmp_path, hf_cache, crash_cache, spec=spec)
+
+
+@pytest.mark.parametrize("device, spec, variant, where, dtype", VLLM_CASES)
+def test_weight_sync_variant_is_caught_on_the_vllm_engine(runner, variant, where, dtype, report):
+    runner.engine = "vllm"
+    test_variant_is_caught_by_a_margin_and_the_fix_passes(runner, variant, where, dtype, report)
 
 
 @pytest.mark.parametrize("device, spec, variant, where, dtype", CASES)
