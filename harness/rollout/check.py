@@ -57,6 +57,7 @@ class SyncResult(Judged):
     variant: str | None
     model: str
     engine: str = "hf"
+    transport: str = ""
     checks: list[CheckResult] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     report: Any = None  # the SyncReport of the synced step
@@ -67,7 +68,8 @@ class SyncResult(Judged):
 
     def rows(self, **fields: Any) -> list[Row]:
         return self.check_rows(self.layout, self.model, **fields, variant=self.variant,
-                               **({"engine": self.engine} if self.engine != "hf" else {}))
+                               **({"engine": self.engine} if self.engine != "hf" else {}),
+                               **({"transport": self.transport} if self.transport not in ("", "host") else {}))
 
     def summary(self) -> str:
         what = f"{self.model} {self.layout} {self.dtype} {self.engine}" + (f" variant={self.variant}" if self.variant else "")
@@ -75,9 +77,10 @@ class SyncResult(Judged):
 
 
 def sync_check(make_policy: Callable[..., Any], layout: str, dtype: str = "fp32", *, variant: str | None = None,
-               device: str = "cpu", model: str | None = None, steps: int = 1, engine: str = "hf") -> SyncResult:
+               device: str = "cpu", model: str | None = None, steps: int = 1, engine: str = "hf",
+               engine_options: dict | None = None) -> SyncResult:
     """Run (a)-(c) on a fresh policy and an engine at the checkpoint's weights ("hf" or "vllm",
-    harness.rollout.engines); closes the policy."""
+    harness.rollout.engines, with `engine_options`: e.g. transport="broadcast", gpu=1); closes the policy."""
     from harness.models import load_hf_config
     from harness.rollout.engines import open_engine
     from harness.rollout.sync import engine_weight_diffs, sync_weights
@@ -87,7 +90,7 @@ def sync_check(make_policy: Callable[..., Any], layout: str, dtype: str = "fp32"
     result = SyncResult(str(layout), dtype, device, variant, model, engine=engine)
     policy = make_policy(layout, model, **CONFIG, dtype=dtype)
     try:
-        engine = open_engine(engine, model, dtype=DTYPES[dtype], device=engine_device(device))
+        engine = open_engine(engine, model, dtype=DTYPES[dtype], device=engine_device(device), **(engine_options or {}))
         vocab = load_hf_config(model).vocab_size
         engine.generate(check_prompts(vocab), SAMPLING)  # served at the old weights: a prefix cache keeps them
         for step in range(steps):
@@ -97,6 +100,7 @@ def sync_check(make_policy: Callable[..., Any], layout: str, dtype: str = "fp32"
             engine.reset_cache_on_load = False  # NeMo-RL 4018's bug: the cache outlives the update
         try:
             result.report = sync_weights(policy, engine, bucket_bytes=BUCKET_BYTES, variant=variant)
+            result.transport = result.report.transport
         finally:
             if variant == "sync-stale-prefix-cache":
                 engine.reset_cache_on_load = True

@@ -9,8 +9,9 @@ and up projections travel fused (`gate_up_proj`, gate rows first, as vLLM packs 
     report = sync_weights(policy, engine, bucket_bytes=1 << 20)
 
 How a bucket reaches the engine is the engine's `transport` (harness.rollout.transfer): `host` (rank
-0 copies to the CPU, the driver pickles it on) or `cuda-ipc` (rank 0 packs the bucket into one CUDA
-buffer and the engine maps it by an IPC handle: colocated vLLM on GPU).
+0 copies to the CPU, the driver pickles it on), `cuda-ipc` (rank 0 packs the bucket into one CUDA
+buffer and the engine maps it by an IPC handle: colocated vLLM on GPU) or `broadcast` (rank 0 packs
+it and broadcasts it over a two-member group with the engine's process: vLLM on GPUs of its own).
 
 The catalog's `weight-sync` variants are upstream bugs of exactly this path (harness.variants);
 `sync-split-fused-group` is the vLLM adapter's (it loads each bucket as it comes, harness.rollout.vllm_engine).
@@ -87,6 +88,8 @@ def sync_weights(policy, engine, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, va
     if transport not in TRANSPORTS:
         raise ValueError(f"engine transport must be one of {TRANSPORTS}, got {transport!r}")
     report = SyncReport(bucket_bytes=bucket_bytes, transport=transport)
+    if transport == "broadcast":
+        _ensure_group(policy, engine)  # once per (policy, engine): not part of an update's time
     start = time.perf_counter()
     policy.apply(_open, bucket_bytes, variant, transport)
     if variant == "sync-split-fused-group":
@@ -121,12 +124,44 @@ def _stream(policy, engine, variant: str | None, report: SyncReport, progress) -
             progress(report)
 
 
+def _ensure_group(policy, engine) -> None:
+    """The broadcast transport's group of rank 0 and the engine's process: made once and kept by both
+    (a new policy or a restarted engine makes a new one)."""
+    import socket
+
+    key = engine.group_key
+    if key is not None and policy.apply(_group_key)[0] == key:
+        return
+    with socket.socket() as probe:  # a free port on this host for the group's TCPStore
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    engine.join_group("127.0.0.1", port)  # the engine connects in the background ...
+    policy.apply(_join_group, "127.0.0.1", port)  # ... while rank 0 serves the store and joins
+    engine.group_joined()
+
+
+def _group_key(worker) -> str | None:
+    group = getattr(worker, "sync_group", None)
+    return group[0] if group else None
+
+
+def _join_group(worker, host: str, port: int) -> None:
+    import torch.distributed as dist
+
+    from harness.rollout.transfer import open_group
+
+    if dist.get_rank() != 0:
+        return
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    worker.sync_group = (f"{host}:{port}", open_group(host, port, 0, device))
+
+
 # ------------------------------------------------------------------------------ rank side
 def _open(worker, bucket_bytes: int, variant: str | None, transport: str = "host") -> None:
     worker.offloader.require("params", what="a weight sync")
     if transport == "cuda-ipc" and not torch.cuda.is_available():
         raise ValueError("transport 'cuda-ipc' needs CUDA ranks (the engine maps rank 0's GPU buffer)")
-    worker.sync_stream = _Stream(worker.models, bucket_bytes, variant, on_device=transport == "cuda-ipc")
+    worker.sync_stream = _Stream(worker.models, bucket_bytes, variant, on_device=transport != "host")
     worker.sync_transport = transport
     worker.sync_shared = None  # the buffer of the bucket last shared: kept until the next is asked for
 
@@ -137,21 +172,30 @@ def _next(worker) -> tuple[list[tuple[str, torch.Tensor]] | None, bool]:
     stream = getattr(worker, "sync_stream", None)
     if stream is None:
         raise RuntimeError("no weight sync is open on this worker")
-    worker.sync_shared = None  # the engine answered for the last bucket before this call: free it
+    _release(worker)  # the engine answered for the last bucket before this call: free its buffer
     bucket, done = stream.next_bucket()
     if done:
         worker.sync_stream = None
     if dist.get_rank() != 0:
         return None, done
-    if getattr(worker, "sync_transport", "host") == "cuda-ipc" and bucket:
+    transport = getattr(worker, "sync_transport", "host")
+    if transport == "cuda-ipc" and bucket:
         from harness.rollout.transfer import pack
 
         worker.sync_shared, bucket = pack(bucket)
+    elif transport == "broadcast" and bucket:
+        from harness.rollout.transfer import broadcast, pack_buffer
+
+        buffer, bucket = pack_buffer(bucket)
+        worker.sync_shared = (buffer, broadcast(worker.sync_group[1], buffer))  # the engine receives it next
     return bucket, done
 
 
 def _release(worker) -> None:
-    """After the engine took the last bucket: free its shared buffer."""
+    """Free the last bucket's buffer (a broadcast's once it completed)."""
+    shared = getattr(worker, "sync_shared", None)
+    if isinstance(shared, tuple):
+        shared[1].wait()
     worker.sync_shared = None
 
 

@@ -1,6 +1,6 @@
 """How a bucket of weights travels from the trainer's rank 0 to a rollout engine in another process.
 
-Two transports, chosen by the engine (`engine.transport`):
+Three transports, chosen by the engine (`engine.transport`):
 - `host`: the tensors are copied to the CPU on rank 0 and pickled through the driver to the engine
   (the CPU tier; any engine).
 - `cuda-ipc`: colocated on one GPU, as verl, NeMo-RL and slime hand weights to vLLM. Rank 0 packs the
@@ -9,6 +9,13 @@ Two transports, chosen by the engine (`engine.transport`):
   driver; the engine maps the buffer (`open_shared`), takes views of it, copies them into its own
   weights and synchronizes before it answers. Rank 0 keeps the buffer until the next bucket is asked
   for: the engine has answered by then, so nothing is freed while it may still be read.
+- `broadcast`: the engine on GPUs of its own (separate placement), as NeMo-RL, verl and slime update a
+  remote vLLM: rank 0 and the engine's process share a two-member process group of their own (a
+  TCPStore on the driver's host, `open_group`: NCCL on CUDA, gloo on CPU, so the CPU tier runs the
+  same protocol). Rank 0 packs a bucket as for cuda-ipc and starts a broadcast of it; the driver
+  hands the engine the bucket's layout (`WireBucket`); the engine receives into a buffer of its own
+  and loads views of it. The broadcast is asynchronous on rank 0, which waits for it before it packs
+  the next bucket.
 
 The handle names the GPU by UUID, not by index: the engine's process may number its GPUs otherwise.
 The producer synchronizes its stream after packing, because no CUDA stream order holds across
@@ -16,22 +23,27 @@ processes: without it the engine could read the buffer before the copies into it
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Iterable
 
 import torch
 
-TRANSPORTS = ("host", "cuda-ipc")
+TRANSPORTS = ("host", "cuda-ipc", "broadcast")
+GROUP_PREFIX = "mrh-weight-sync"
 ALIGN = 256  # bytes: every view keeps the alignment of a fresh allocation
 
 
-@dataclass
-class SharedBucket:
-    """One bucket in one CUDA buffer: `specs` are (HF name, dtype name, shape, byte offset)."""
+Spec = tuple  # (HF name, dtype name, shape, byte offset) of one tensor in a packed buffer
 
-    handle: tuple  # reduce_tensor's (rebuild function, args) of the uint8 buffer
-    device_uuid: str
-    specs: list[tuple[str, str, tuple[int, ...], int]]
+
+@dataclass
+class WireBucket:
+    """One bucket packed into one flat buffer, by layout: `specs` are (HF name, dtype name, shape,
+    byte offset). Sent by broadcast: the engine receives `nbytes` and views the specs."""
+
+    specs: list[Spec]
     nbytes: int
 
     @property
@@ -46,17 +58,35 @@ class SharedBucket:
         return [(name, torch.empty(shape, dtype=getattr(torch, dtype), device="meta"))
                 for name, dtype, shape, _ in self.specs]
 
+    def views(self, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """(name, view of `buffer`) for every spec: no copy."""
+        out = []
+        for name, dtype, shape, offset in self.specs:
+            dtype = getattr(torch, dtype)
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            out.append((name, buffer[offset:offset + nbytes].view(dtype).view(shape)))
+        return out
+
+
+@dataclass
+class SharedBucket(WireBucket):
+    """A packed bucket shared by a CUDA IPC handle (reduce_tensor's (rebuild function, args) of the
+    uint8 buffer) on the GPU named by `device_uuid`."""
+
+    handle: tuple = ()
+    device_uuid: str = ""
+
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
 def bucket_names(bucket: Any) -> list[str]:
-    return bucket.names if isinstance(bucket, SharedBucket) else [name for name, _ in bucket]
+    return bucket.names if isinstance(bucket, WireBucket) else [name for name, _ in bucket]
 
 
 def bucket_nbytes(bucket: Any) -> int:
-    if isinstance(bucket, SharedBucket):
+    if isinstance(bucket, WireBucket):
         return sum(tensor_bytes(t) for _, t in bucket.meta())
     return sum(tensor_bytes(t) for _, t in bucket)
 
@@ -69,18 +99,14 @@ def device_uuid(device: torch.device | int) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
-def pack(pairs: Iterable[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, SharedBucket]:
-    """Pack CUDA tensors into one buffer; returns (the buffer, which the caller keeps alive until the
-    consumer has answered, and its SharedBucket)."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
+def pack_buffer(pairs: Iterable[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, WireBucket]:
+    """Copy tensors of one device into one flat uint8 buffer, each at an aligned offset."""
     pairs = list(pairs)
     if not pairs:
-        raise ValueError("an empty bucket has nothing to share")
+        raise ValueError("an empty bucket has nothing to send")
     device = pairs[0][1].device
-    if device.type != "cuda" or any(t.device != device for _, t in pairs):
-        raise ValueError("cuda-ipc packs CUDA tensors of one device, got "
-                         f"{sorted({str(t.device) for _, t in pairs})}")
+    if any(t.device != device for _, t in pairs):
+        raise ValueError(f"a bucket packs tensors of one device, got {sorted({str(t.device) for _, t in pairs})}")
     specs, offset = [], 0
     for name, tensor in pairs:
         offset = _aligned(offset)
@@ -89,8 +115,20 @@ def pack(pairs: Iterable[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, Share
     buffer = torch.empty(max(offset, 1), dtype=torch.uint8, device=device)
     for (_, _, _, start), (_, tensor) in zip(specs, pairs):
         buffer[start:start + tensor_bytes(tensor)].copy_(tensor.contiguous().view(-1).view(torch.uint8))
-    torch.cuda.current_stream(device).synchronize()  # the consumer's process does not wait on our stream
-    return buffer, SharedBucket(reduce_tensor(buffer), device_uuid(device), specs, offset)
+    return buffer, WireBucket(specs, offset)
+
+
+def pack(pairs: Iterable[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, SharedBucket]:
+    """Pack CUDA tensors into one buffer shared by CUDA IPC; returns (the buffer, which the caller keeps
+    alive until the consumer has answered, and its SharedBucket)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    pairs = list(pairs)
+    if pairs and pairs[0][1].device.type != "cuda":
+        raise ValueError(f"cuda-ipc shares CUDA tensors, got {pairs[0][1].device}")
+    buffer, wire = pack_buffer(pairs)
+    torch.cuda.current_stream(buffer.device).synchronize()  # the consumer's process does not wait on our stream
+    return buffer, SharedBucket(wire.specs, wire.nbytes, reduce_tensor(buffer), device_uuid(buffer.device))
 
 
 def _local_index(uuid: str) -> int:
@@ -108,12 +146,55 @@ def open_shared(bucket: SharedBucket) -> tuple[torch.Tensor, list[tuple[str, tor
     args = list(args)
     args[6] = _local_index(bucket.device_uuid)  # rebuild_cuda_tensor's target_device
     buffer = rebuild(*args)
-    views = []
-    for name, dtype, shape, offset in bucket.specs:
-        dtype = getattr(torch, dtype)
-        count = 1
-        for size in shape:
-            count *= size
-        nbytes = count * torch.empty((), dtype=dtype).element_size()
-        views.append((name, buffer[offset:offset + nbytes].view(dtype).view(shape)))
-    return buffer, views
+    return buffer, bucket.views(buffer)
+
+
+# ------------------------------------------------------------------------------------- broadcast
+def open_group(host: str, port: int, rank: int, device: torch.device, timeout_s: float = 300.0):
+    """The two-member group of rank 0 (rank 0, holding the TCPStore) and the engine (rank 1): NCCL
+    when `device` is CUDA, gloo on CPU. Both sides call it at once; it returns once a first broadcast
+    went through (so later broadcasts never wait on a peer joining)."""
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, 2, is_master=rank == 0, timeout=timeout, wait_for_workers=True)
+    prefixed = dist.PrefixStore(GROUP_PREFIX, store)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        group = dist.ProcessGroupNCCL(prefixed, rank, 2, options)
+    else:
+        group = dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
+    group = Group(group, store)  # the store must outlive the group (rank 0 serves it)
+    probe = torch.full((1,), 7 if rank == 0 else 0, dtype=torch.int32, device=device)
+    broadcast(group, probe).wait()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    if int(probe.item()) != 7:
+        raise RuntimeError("the weight-sync group's first broadcast did not arrive")
+    return group
+
+
+@dataclass
+class Group:
+    """A weight-sync group: the process group and the TCPStore it was made from."""
+
+    pg: Any
+    store: Any
+
+
+def broadcast(group: Group, buffer: torch.Tensor):
+    """Start a broadcast of `buffer` from rank 0 of `group` (into it, on rank 1); returns the work."""
+    import torch.distributed as dist
+
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    options.rootTensor = 0
+    return group.pg.broadcast([buffer], options)
+
+
+def receive(group, bucket: WireBucket, device: torch.device) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
+    """The engine's side of one bucket: receive its buffer, view its tensors."""
+    buffer = torch.empty(max(bucket.nbytes, 1), dtype=torch.uint8, device=device)
+    broadcast(group, buffer).wait()
+    return buffer, bucket.views(buffer)

@@ -40,7 +40,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from harness.rollout.engine import Rollouts, Sampling, bucket_plan, make_rollouts, prompt_rows, require_awake
-from harness.rollout.transfer import TRANSPORTS, SharedBucket
+from harness.rollout.transfer import TRANSPORTS, SharedBucket, WireBucket
 
 SERVER = Path(__file__).with_name("vllm_server.py")
 REPO_VENV = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
@@ -118,7 +118,7 @@ class VLLMEngine:
                  pythonpath: str | os.PathLike | None = None, max_model_len: int | None = None,
                  kv_cache_bytes: int = 64 << 20, seed: int = 0, startup_timeout: float = 600.0,
                  call_timeout: float = 600.0, transport: str | None = None, engine_args: dict | None = None,
-                 env: dict[str, str] | None = None, precision: str = "strict") -> None:
+                 env: dict[str, str] | None = None, precision: str = "strict", gpu: int | None = None) -> None:
         from harness.models import load_hf_config, resolve_model
 
         if dtype not in DTYPE_NAMES:
@@ -131,6 +131,11 @@ class VLLMEngine:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if transport == "cuda-ipc" and device != "cuda":
             raise ValueError("transport 'cuda-ipc' needs device='cuda' (the engine on the trainer's GPU)")
+        if gpu is not None and device != "cuda":
+            raise ValueError("gpu= places the engine on a GPU: it needs device='cuda'")
+        if transport == "broadcast" and device == "cuda" and gpu is None:
+            raise ValueError("transport 'broadcast' on CUDA needs the engine on a GPU of its own (gpu=N, not the "
+                             "trainer's): NCCL takes one rank per GPU")
         config = load_hf_config(model)
         check_model(config, device)
         self.python = vllm_python(python)
@@ -142,6 +147,8 @@ class VLLMEngine:
         self.env = {k: str(v) for k, v in {**settings["env"], **(env or {})}.items()}
         # False only for the catalog's sync-stale-prefix-cache (NeMo-RL 4018's bug, here)
         self.reset_cache_on_load = True
+        self.gpu = gpu
+        self.group_key: str | None = None  # the broadcast transport's group, once joined
         self.path = resolve_model(model)
         self.dtype, self.device = dtype, device
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -164,6 +171,8 @@ class VLLMEngine:
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", **self.env)
         if self.device == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""
+        elif self.gpu is not None:  # separate placement: the engine on a GPU of its own
+            env["CUDA_VISIBLE_DEVICES"] = str(self.gpu)
         paths = [arg for folder in self.pythonpath for arg in ("--path", folder)]
         if self.pythonpath:  # vLLM's own child processes (its model-registry probe) run without -I
             env["PYTHONPATH"] = os.pathsep.join(self.pythonpath)
@@ -266,15 +275,29 @@ class VLLMEngine:
         the engine until all have come. Unknown names and shape mismatches raise before anything of
         the bucket is sent. Returns the tensors taken (a fused gate_up counts twice)."""
         require_awake(self, "update_weights")
-        if isinstance(bucket, SharedBucket):
+        if isinstance(bucket, WireBucket):  # cuda-ipc (SharedBucket) or broadcast: the layout, not the bytes
             plan = bucket_plan(bucket.meta(), self.shapes)
-            self._call("load_shared", bucket=bucket, hold=self.hold_fused_groups, reset_cache=self.reset_cache_on_load)
+            command = "load_shared" if isinstance(bucket, SharedBucket) else "load_broadcast"
+            self._call(command, bucket=bucket, hold=self.hold_fused_groups, reset_cache=self.reset_cache_on_load)
             return len(plan)
         plan = bucket_plan(bucket, self.shapes)
         weights = [(name, tensor.detach().to("cpu", self.dtype).contiguous()) for name, tensor in plan]
         if weights:
             self._call("load", weights=weights, hold=self.hold_fused_groups, reset_cache=self.reset_cache_on_load)
         return len(plan)
+
+    def join_group(self, host: str, port: int) -> None:
+        """The broadcast transport: start joining rank 0's two-member group (harness.rollout.transfer.
+        open_group) in the engine's process; `group_joined()` waits for it."""
+        if self.transport != "broadcast":
+            raise ValueError(f"join_group is the broadcast transport's; this engine's is {self.transport!r}")
+        self.group_key = None
+        self._call("join_group", host=host, port=port)
+        self._group_key = f"{host}:{port}"
+
+    def group_joined(self, timeout: float = 300.0) -> None:
+        self._call("group_joined", wait_s=timeout, timeout=timeout + 30)
+        self.group_key = self._group_key
 
     @property
     def pending(self) -> list[str]:

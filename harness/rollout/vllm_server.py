@@ -204,6 +204,50 @@ class Server:
             del buffer, views
             self.torch.cuda.synchronize()
 
+    def load_broadcast(self, bucket, hold: bool = True, reset_cache: bool = True) -> int:
+        """A broadcast bucket (harness.rollout.transfer): receive rank 0's buffer, load views of it."""
+        from harness.rollout.transfer import receive
+
+        buffer, views = receive(self.group, bucket, self._device())
+        try:
+            return self.load(views, hold, reset_cache)
+        finally:
+            del buffer, views
+
+    def _device(self):
+        if self.device == "cuda":
+            return self.torch.device("cuda", self.torch.cuda.current_device())
+        return self.torch.device("cpu")
+
+    def join_group(self, host: str, port: int) -> None:
+        """Start joining rank 0's weight-sync group in a thread (rank 0 joins meanwhile)."""
+        import threading
+
+        from harness.rollout.transfer import open_group
+
+        self.group, self._joining, self._join_error = None, None, None
+        device = self._device()
+
+        def join():
+            try:
+                if device.type == "cuda":
+                    self.torch.cuda.set_device(device)
+                self.group = open_group(host, port, 1, device)
+            except BaseException as error:  # reported by group_joined
+                self._join_error = error
+
+        self._joining = threading.Thread(target=join, daemon=True)
+        self._joining.start()
+
+    def group_joined(self, wait_s: float) -> None:
+        self._joining.join(wait_s)
+        if self._joining.is_alive():
+            raise TimeoutError(f"the weight-sync group was not joined within {wait_s:.0f} s")
+        if self._join_error is not None:
+            raise self._join_error
+        if self.group is None:
+            raise RuntimeError("the weight-sync group was not joined")
+
     def pending_names(self) -> list[str]:
         return sorted(name for members in self.pending.values() for name in members)
 

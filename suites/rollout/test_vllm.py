@@ -80,6 +80,21 @@ def test_a_synced_bf16_vllm_engine_equals_the_trained_policy(policy, device, lay
     _synced(policy, device, layout, "bf16", report)
 
 
+@pytest.mark.layouts(cpu=["dp2"], cuda=["tp1"])
+def test_a_separate_engine_synced_by_broadcast_equals_the_trained_policy(policy, device, layout, report):
+    """The separate placement: the engine on a GPU of its own (the machine's last), weights broadcast
+    from rank 0 over a two-member group (NCCL on CUDA, gloo on the CPU tier: the same protocol)."""
+    options = {"transport": "broadcast"}
+    if device == "cuda":
+        if torch.cuda.device_count() < 2:
+            pytest.skip("the separate placement needs a second GPU for the engine")
+        options["gpu"] = torch.cuda.device_count() - 1
+    result = sync_check(policy, layout, "fp32", device=device, model=MODEL, engine="vllm", engine_options=options)
+    _record(report, result)
+    assert result.passed, result.summary()
+    assert result.report.transport == "broadcast" and result.report.buckets > 10
+
+
 def test_a_fused_group_is_loaded_only_once_complete(engine):
     before = engine.weights()
     q = "model.layers.0.self_attn.q_proj.weight"
