@@ -47,6 +47,12 @@ MAX_MODEL_LEN = 256  # the vLLM engine's: it never generates here
 ENGINE_HEADROOM = 2 << 30  # bytes left free beside a colocated vLLM engine's budget on the GPU
 
 
+def _sig(value: float, digits: int = 6) -> float:
+    """`value` to `digits` significant digits (a copy of 1 GB takes under a millisecond on a GPU; a
+    sync of a tiny model on CPU runs at a few MB/s: fixed decimals would lose either)."""
+    return float(f"{value:.{digits}g}")
+
+
 def default_engine(device: str) -> str:
     return "vllm" if device == "cuda" else "hf"
 
@@ -247,8 +253,8 @@ def _measure(policy, engine, bucket_bytes: int, repeats: int, log) -> dict[str, 
     seconds = statistics.median(r.seconds for r in reports)
     return {"transport": warmup.transport, "bytes": warmup.bytes, "buckets": warmup.buckets,
             "tensors": warmup.tensors, "max_bucket_bytes": warmup.max_bucket_bytes,
-            "seconds": round(seconds, 6), "gbps": round(warmup.bytes / seconds / 1e9, 4),
-            "samples_s": [round(r.seconds, 6) for r in reports], "warmup_s": round(warmup.seconds, 6)}
+            "seconds": _sig(seconds), "gbps": _sig(warmup.bytes / seconds / 1e9),
+            "samples_s": [_sig(r.seconds) for r in reports], "warmup_s": _sig(warmup.seconds)}
 
 
 def run(model: str = DEFAULT_MODEL, layout: str | None = DEFAULT_LAYOUT, device: str | None = None,
@@ -296,7 +302,7 @@ def run(model: str = DEFAULT_MODEL, layout: str | None = DEFAULT_LAYOUT, device:
     copy_s = statistics.median(copy["samples_s"])
     copy_gbps = nbytes / copy_s / 1e9
     for figures in measured.values():
-        figures["of_copy"] = round(figures["gbps"] / copy_gbps, 4)
+        figures["of_copy"] = _sig(figures["gbps"] / copy_gbps, 4)
     versions = {**_versions(), **{f"engine_{k}" if k == "torch" else k: v for k, v in engine_versions.items()}}
     try:
         from importlib import metadata
@@ -309,9 +315,9 @@ def run(model: str = DEFAULT_MODEL, layout: str | None = DEFAULT_LAYOUT, device:
         "dtype": dtype, "engine": engine, "engine_options": options, "placement": "colocated",
         "bucket_bytes": request["bucket_bytes"], "repeats": repeats, "bytes": nbytes,
         "copy": {"kind": "device-to-device" if device == "cuda" else "host memcpy", "bytes": nbytes,
-                 "seconds": round(copy_s, 6), "gbps": round(copy_gbps, 4),
-                 "samples_s": [round(s, 6) for s in copy["samples_s"]]},
-        "copy_gbps": round(copy_gbps, 4), "goal_of_copy": GOAL, "transports": measured,
+                 "seconds": _sig(copy_s), "gbps": _sig(copy_gbps),
+                 "samples_s": [_sig(s) for s in copy["samples_s"]]},
+        "copy_gbps": _sig(copy_gbps), "goal_of_copy": GOAL, "transports": measured,
         "not_measured": dict(NOT_MEASURED), "machine": copy["machine"], "versions": versions,
     }
     return result
@@ -321,10 +327,10 @@ def table(result: dict[str, Any]) -> str:
     """The figures as a small table (what the JSON line holds, rounded)."""
     rows = [("transport", "buckets", "MB", "seconds", "GB/s", "of copy")]
     for name, f in result["transports"].items():
-        rows.append((name, str(f["buckets"]), f"{f['bytes'] / 1e6:.1f}", f"{f['seconds']:.4f}", f"{f['gbps']:.3f}",
-                     f"{f['of_copy']:.3f}"))
+        rows.append((name, str(f["buckets"]), f"{f['bytes'] / 1e6:.1f}", f"{f['seconds']:.4g}", f"{f['gbps']:.4g}",
+                     f"{f['of_copy']:.3g}"))
     c = result["copy"]
-    rows.append((f"copy ({c['kind']})", "1", f"{c['bytes'] / 1e6:.1f}", f"{c['seconds']:.4f}", f"{c['gbps']:.3f}",
+    rows.append((f"copy ({c['kind']})", "1", f"{c['bytes'] / 1e6:.1f}", f"{c['seconds']:.4g}", f"{c['gbps']:.4g}",
                  "1.000"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))

@@ -1,0 +1,110 @@
+"""`mrh bench sync`: a CPU run prints one JSON line whose byte count is the model's exported tensors'
+(with every figure positive); bad input exits 2 before any rank or engine starts. The CPU figures are
+memcpy and pickling speeds: the GPU run's (reports/gpu/) are the ones the goal is about."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from harness.cli import main as mrh
+
+FIELDS = {"model", "layout", "device", "world_size", "dtype", "engine", "placement", "bucket_bytes", "repeats",
+          "bytes", "copy", "copy_gbps", "goal_of_copy", "transports", "not_measured", "machine", "versions"}
+TRANSPORT_FIELDS = {"transport", "bytes", "buckets", "tensors", "max_bucket_bytes", "seconds", "gbps", "samples_s",
+                    "warmup_s", "of_copy"}
+
+
+def _exported_bytes(model: str, dtype: torch.dtype) -> int:
+    """What one full update must move: the HF checkpoint's tensors (gate/up travel fused, same bytes)."""
+    from harness.models import build_hf_model
+    from harness.models.zoo import checkpoint_state_dict
+
+    state = checkpoint_state_dict(build_hf_model(model, dtype=dtype))
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def test_cpu_run_prints_one_json_line_of_the_models_bytes(tmp_path, capsys):
+    out = tmp_path / "bench-sync.json"
+    code = mrh(["bench", "sync", "--device", "cpu", "--model", "tiny-qwen3", "--layout", "tp1", "--engine", "hf",
+                "--transports", "host", "--repeats", "1", "--bucket-mb", "0.0625", "--out", str(out)])
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stderr[-4000:]
+    lines = stdout.strip().splitlines()
+    assert len(lines) == 1, stdout  # the table and progress go to stderr
+    result = json.loads(lines[0])
+    assert json.loads(out.read_text()) == result
+    assert FIELDS <= set(result), sorted(FIELDS - set(result))
+    assert (result["model"], result["layout"], result["device"], result["world_size"], result["dtype"],
+            result["engine"], result["repeats"], result["bucket_bytes"]) == \
+        ("tiny-qwen3", "tp1", "cpu", 1, "bf16", "hf", 1, 64 << 10)
+    assert set(result["transports"]) == {"host"}
+    host = result["transports"]["host"]
+    assert TRANSPORT_FIELDS <= set(host), sorted(TRANSPORT_FIELDS - set(host))
+    assert host["bytes"] == result["bytes"] == result["copy"]["bytes"] == _exported_bytes("tiny-qwen3", torch.bfloat16)
+    assert host["buckets"] > 1 and host["max_bucket_bytes"] <= 64 << 10
+    assert host["seconds"] > 0 and host["gbps"] > 0 and len(host["samples_s"]) == 1
+    assert host["gbps"] == pytest.approx(host["bytes"] / host["seconds"] / 1e9, rel=1e-2)
+    assert result["copy_gbps"] > 0 and result["copy"]["kind"] == "host memcpy"
+    assert host["of_copy"] == pytest.approx(host["gbps"] / result["copy_gbps"], rel=1e-2)
+    assert "separate-nccl" in result["not_measured"]
+    assert result["machine"]["device_name"] and result["versions"]["torch"]
+    assert "transport" in stderr and "of copy" in stderr and "not measured" in stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--transports", "nccl"], "not implemented in the harness yet"),
+    (["--transports", "rdma"], "unknown transport 'rdma'; choose from host, cuda-ipc"),
+    (["--transports", "host,host"], "names a transport twice"),
+    (["--transports", "cuda-ipc"], "transport 'cuda-ipc' needs --device cuda"),
+    (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+    (["--layout", "tp3"], "tp=3 does not divide"),
+    (["--dtype", "fp16"], "unknown dtype 'fp16'"),
+    (["--engine", "sglang"], "unknown engine 'sglang'"),
+    (["--repeats", "0"], "--repeats must be an integer >= 1"),
+    (["--bucket-mb", "0"], "--bucket-mb must be a number > 0"),
+])
+def test_bad_input_exits_2_before_anything_starts(monkeypatch, capsys, argv, message):
+    from harness.launch import World
+
+    def no_start(self):
+        raise AssertionError("a rank was started for bad input")
+
+    monkeypatch.setattr(World, "start", no_start)
+    assert mrh(["bench", "sync", "--device", "cpu", "--model", "tiny-qwen3", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("mrh bench sync: ") and message in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_cuda_without_a_gpu_and_cuda_ipc_on_the_hf_engine_exit_2(monkeypatch, capsys, tmp_path):
+    from harness.bench import sync
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert mrh(["bench", "sync", "--device", "cuda"]) == 2
+    assert "--device cuda: no GPU is visible" in capsys.readouterr().err
+    monkeypatch.setattr(sync, "_gpu_count", lambda: 1)
+    monkeypatch.setattr("harness.bench.ckpt._gpu_count", lambda: 1)
+    assert mrh(["bench", "sync", "--device", "cuda", "--engine", "hf", "--transports", "cuda-ipc"]) == 2
+    assert "transport 'cuda-ipc' needs --engine vllm" in capsys.readouterr().err
+    existing = tmp_path / "taken.json"
+    existing.write_text("{}")
+    assert mrh(["bench", "sync", "--device", "cpu", "--out", str(existing)]) == 2
+    assert "exists: nothing is overwritten" in capsys.readouterr().err
+
+
+def test_defaults_follow_the_device(monkeypatch):
+    from harness.bench import sync
+    from harness.rollout.sync import DEFAULT_BUCKET_BYTES
+
+    monkeypatch.setattr(sync, "_check_vllm", lambda model, device: None)  # no vLLM start, no environment needed
+    cpu = sync.check_input(device="cpu")
+    assert (cpu["model"], cpu["layout"].name, cpu["dtype"], cpu["engine"], cpu["transports"], cpu["bucket_bytes"],
+            cpu["repeats"]) == ("qwen3-0.6b-shape", "tp1", "bf16", "hf", ["host"], DEFAULT_BUCKET_BYTES, 3)
+    monkeypatch.setattr(sync, "_gpu_count", lambda: 1)
+    monkeypatch.setattr("harness.bench.ckpt._gpu_count", lambda: 1)
+    cuda = sync.check_input(device="cuda")
+    assert (cuda["engine"], cuda["transports"]) == ("vllm", ["cuda-ipc", "host"])
+    assert sync.check_input(device="cuda", engine="hf")["transports"] == ["host"]
