@@ -45,9 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     offload_bench.add_argument("--dtype", default="bf16", help="fp32 or bf16 (default bf16)")
     offload_bench.add_argument("--cycles", type=int, default=3, help="timed cycles per component (default 3)")
     offload_bench.set_defaults(handler="harness.bench.offload:main")
-    sync_help = ("seconds and GB/s of one full weight update into the rollout engine per transport, next to a "
-                 "plain copy of the same bytes (colocated only: separate placement over NCCL is not implemented "
-                 "yet, so not measured); one JSON line (exit 2 bad input)")
+    sync_help = ("seconds and GB/s of one full weight update into the rollout engine per transport (colocated: "
+                 "cuda-ipc, host; separate: broadcast, the engine on a GPU of its own, NCCL), next to a plain "
+                 "device-to-device copy of the same bytes; one JSON line (exit 1 a transport failed, 2 bad input)")
     sync_bench = benches.add_parser("sync", help=sync_help, description=sync_help)
     sync_bench.add_argument("--model", default="qwen3-0.6b-shape",
                             help="zoo name or local HF checkpoint (default qwen3-0.6b-shape)")
@@ -56,8 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     sync_bench.add_argument("--dtype", default="bf16", help="fp32 or bf16 (default bf16)")
     sync_bench.add_argument("--engine", default=None, help="hf or vllm (default vllm on cuda, hf on cpu)")
     sync_bench.add_argument("--transports", default=None,
-                            help="comma list of host, cuda-ipc (default cuda-ipc,host on cuda with vllm, else "
-                                 "host); cuda-ipc: vllm on cuda. No NCCL transport exists yet")
+                            help="comma list of cuda-ipc, host, broadcast (default on cuda with vllm: cuda-ipc,host "
+                                 "and broadcast when a GPU is left for the engine; else host); cuda-ipc: vllm on "
+                                 "cuda; broadcast: vllm, on cuda a GPU beside the layout's")
     sync_bench.add_argument("--bucket-mb", type=float, default=None,
                             help="bucket bound in MiB (default 64, the sync's DEFAULT_BUCKET_BYTES)")
     sync_bench.add_argument("--repeats", type=int, default=3, help="timed updates per transport after a warm-up "

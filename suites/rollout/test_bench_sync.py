@@ -10,10 +10,10 @@ import torch
 
 from harness.cli import main as mrh
 
-FIELDS = {"model", "layout", "device", "world_size", "dtype", "engine", "placement", "bucket_bytes", "repeats",
-          "bytes", "copy", "copy_gbps", "goal_of_copy", "transports", "not_measured", "machine", "versions"}
-TRANSPORT_FIELDS = {"transport", "bytes", "buckets", "tensors", "max_bucket_bytes", "seconds", "gbps", "samples_s",
-                    "warmup_s", "of_copy"}
+FIELDS = {"model", "layout", "device", "world_size", "dtype", "engine", "bucket_bytes", "repeats", "bytes", "copy",
+          "copy_gbps", "goal_of_copy", "transports", "not_measured", "machine", "versions"}
+TRANSPORT_FIELDS = {"transport", "placement", "engine_options", "engine_start_s", "bytes", "buckets", "tensors",
+                    "max_bucket_bytes", "seconds", "gbps", "samples_s", "warmup_s", "of_copy"}
 
 
 def _exported_bytes(model: str, dtype: torch.dtype) -> int:
@@ -21,7 +21,10 @@ def _exported_bytes(model: str, dtype: torch.dtype) -> int:
     from harness.models import build_hf_model
     from harness.models.zoo import checkpoint_state_dict
 
-    state = checkpoint_state_dict(build_hf_model(model, dtype=dtype))
+    hf = build_hf_model(model, dtype=dtype)
+    state = checkpoint_state_dict(hf)
+    if hf.config.tie_word_embeddings:
+        state.pop("lm_head.weight")  # sent once, as embed_tokens
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
@@ -48,14 +51,32 @@ def test_cpu_run_prints_one_json_line_of_the_models_bytes(tmp_path, capsys):
     assert host["gbps"] == pytest.approx(host["bytes"] / host["seconds"] / 1e9, rel=1e-2)
     assert result["copy_gbps"] > 0 and result["copy"]["kind"] == "host memcpy"
     assert host["of_copy"] == pytest.approx(host["gbps"] / result["copy_gbps"], rel=1e-2)
-    assert "separate-nccl" in result["not_measured"]
+    assert host["placement"] == "colocated" and "copy_peer" not in result
+    assert "the hf engine takes buckets through the host only" in result["not_measured"]["broadcast"]
     assert result["machine"]["device_name"] and result["versions"]["torch"]
-    assert "transport" in stderr and "of copy" in stderr and "not measured" in stderr
+    assert "transport" in stderr and "of copy" in stderr and "separate placement not measured" in stderr
+
+
+def test_a_failing_transport_is_recorded_and_exits_1(monkeypatch, capsys):
+    from harness.bench import sync
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the engine did not start")
+
+    monkeypatch.setattr(sync, "_open", broken)
+    code = mrh(["bench", "sync", "--device", "cpu", "--model", "tiny-qwen3", "--engine", "hf", "--repeats", "1"])
+    stdout, stderr = capsys.readouterr()
+    assert code == 1, stderr[-4000:]
+    result = json.loads(stdout)
+    assert result["transports"]["host"]["error"] == "RuntimeError: the engine did not start"
+    assert result["bytes"] == _exported_bytes("tiny-qwen3", torch.bfloat16) and result["copy_gbps"] > 0
+    assert "host failed: RuntimeError: the engine did not start" in stderr
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--transports", "nccl"], "not implemented in the harness yet"),
-    (["--transports", "rdma"], "unknown transport 'rdma'; choose from host, cuda-ipc"),
+    (["--transports", "nccl"], "the separate placement's is 'broadcast'"),
+    (["--transports", "rdma"], "unknown transport 'rdma'; choose from host, cuda-ipc, broadcast"),
+    (["--transports", "broadcast"], "transport 'broadcast' needs --engine vllm"),
     (["--transports", "host,host"], "names a transport twice"),
     (["--transports", "cuda-ipc"], "transport 'cuda-ipc' needs --device cuda"),
     (["--model", "no-such-model"], "unknown model 'no-such-model'"),
@@ -79,7 +100,7 @@ def test_bad_input_exits_2_before_anything_starts(monkeypatch, capsys, argv, mes
     assert len(err.strip().splitlines()) == 1
 
 
-def test_cuda_without_a_gpu_and_cuda_ipc_on_the_hf_engine_exit_2(monkeypatch, capsys, tmp_path):
+def test_cuda_requests_the_machine_cannot_serve_exit_2(monkeypatch, capsys, tmp_path):
     from harness.bench import sync
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -89,6 +110,9 @@ def test_cuda_without_a_gpu_and_cuda_ipc_on_the_hf_engine_exit_2(monkeypatch, ca
     monkeypatch.setattr("harness.bench.ckpt._gpu_count", lambda: 1)
     assert mrh(["bench", "sync", "--device", "cuda", "--engine", "hf", "--transports", "cuda-ipc"]) == 2
     assert "transport 'cuda-ipc' needs --engine vllm" in capsys.readouterr().err
+    assert mrh(["bench", "sync", "--device", "cuda", "--transports", "broadcast"]) == 2
+    assert "transport 'broadcast' on cuda puts the engine on a GPU of its own: layout tp1 takes 1, 1 visible" \
+        in capsys.readouterr().err
     existing = tmp_path / "taken.json"
     existing.write_text("{}")
     assert mrh(["bench", "sync", "--device", "cpu", "--out", str(existing)]) == 2
@@ -106,5 +130,11 @@ def test_defaults_follow_the_device(monkeypatch):
     monkeypatch.setattr(sync, "_gpu_count", lambda: 1)
     monkeypatch.setattr("harness.bench.ckpt._gpu_count", lambda: 1)
     cuda = sync.check_input(device="cuda")
-    assert (cuda["engine"], cuda["transports"]) == ("vllm", ["cuda-ipc", "host"])
+    assert (cuda["engine"], cuda["transports"], cuda["engine_gpu"]) == ("vllm", ["cuda-ipc", "host"], None)
+    assert "needs a GPU of its own beside the layout's 1: 1 visible" in cuda["not_measured"]["broadcast"]
     assert sync.check_input(device="cuda", engine="hf")["transports"] == ["host"]
+    monkeypatch.setattr(sync, "_gpu_count", lambda: 2)  # a GPU left for the separate engine: the last one
+    monkeypatch.setattr("harness.bench.ckpt._gpu_count", lambda: 2)
+    two = sync.check_input(device="cuda")
+    assert (two["transports"], two["engine_gpu"], two["not_measured"]) == (["cuda-ipc", "host", "broadcast"], 1, {})
+    assert sync.check_input(device="cpu", engine="vllm", transports="broadcast")["engine_gpu"] is None  # gloo
