@@ -16,8 +16,9 @@ the iteration lines; each distinct warning in it gets one line on stderr after t
 
 On CUDA the engine shares the first GPU with rank 0 (colocated placement; the vLLM engine takes the
 weights by CUDA IPC); --colocate gives that GPU to one of them at a time (the policy offloaded while
-the engine generates, the engine asleep while the policy trains). A vLLM on another GPU than the
-trainer's (separate placement) needs a transport over NCCL that the harness does not have yet.
+the engine generates, the engine asleep while the policy trains). The loop has no separate
+placement (the engine on a GPU of its own, weights by the `broadcast` transport of
+harness.rollout.transfer) yet, so there is no placement option.
 """
 from __future__ import annotations
 
@@ -178,7 +179,7 @@ def _iterate(checked: dict[str, Any], config, rank_log: TextIO) -> list:
         def progress(h) -> None:
             bar.update(1)
             bar.write(f"{h.iteration:3d}  reward {h.reward_mean:.3f}  loss {h.loss:+.4f}  grad_norm {h.grad_norm:.3f}  "
-                      f"token_mult_prob_error {h.token_mult_prob_error:.6f}  mean_abs {h.mean_abs:.2e}  "
+                      f"token_mult_prob_error {_near_one(h.token_mult_prob_error)}  mean_abs {h.mean_abs:.2e}  "
                       f"kl_k3 {h.kl_k3:.2e}  "
                       + (f"routing_agreement {h.routing_agreement:.4f}  " if h.routing_agreement is not None else "")
                       + "  ".join(f"{k} {v:.2f}s" for k, v in h.seconds.items()), file=sys.stdout)
@@ -190,6 +191,12 @@ def _iterate(checked: dict[str, Any], config, rank_log: TextIO) -> list:
         return history
     finally:
         pool.close()
+
+
+def _near_one(value: float) -> str:
+    """token_mult_prob_error: 1+3.9e-07 within 1e-3 of 1 (fp32's reads 1.000000 to six places), else
+    six places (bf16's 1.011300)."""
+    return f"1{value - 1:+.2g}" if value != 1 and abs(value - 1) < 1e-3 else f"{value:.6f}"
 
 
 def _point_at_warnings(rank_log: Path) -> None:
@@ -238,13 +245,16 @@ def _write(out: Path, checked: dict[str, Any], config, history: list) -> None:
              f"sampled against the trainer's old logprobs of them, {'/'.join(map(str, compared))} tokens per "
              "iteration (harness.rollout.mismatch).", "",
              "| iteration | " + " | ".join(Iteration.METRICS) + " |", "|---" * (len(Iteration.METRICS) + 1) + "|"]
-    lines += [f"| {h.iteration} | " + " | ".join(f"{v:.6g}" for v in h.metrics().values()) + " |" for h in history]
+    lines += [f"| {h.iteration} | " + " | ".join(_near_one(v) if m == "token_mult_prob_error" else f"{v:.6g}"
+                                                 for m, v in h.metrics().items()) + " |" for h in history]
     (out / "summary.md").write_text("\n".join(lines) + "\n")
 
 
 def _plot_mismatch(plt, path: Path, history: list, title: str) -> None:
     """The engine-vs-trainer mismatch per iteration: |d| (mean, p99, max), kl_k3, frac_over_ln2. A log
     axis where every value is > 0 (fp32 sits at 1e-7), else linear (a bit-equal run is all zeros)."""
+    from matplotlib.ticker import MaxNLocator
+
     steps = [h.iteration for h in history]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
     panels = ((("mean_abs", "p99_abs", "max_abs"), "|trainer - engine| logprob"),
@@ -261,6 +271,7 @@ def _plot_mismatch(plt, path: Path, history: list, title: str) -> None:
             ax.set_yscale("log")
         if len(metrics) > 1:
             ax.legend(fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(name)
         ax.set_xlabel("iteration")
     fig.suptitle(title)

@@ -8,6 +8,13 @@ committed CPU baseline that another machine made, bit for bit. Another torch, me
 or transformers may round differently: the test then says so and skips, it does not pass.
 
 Refresh (only with a change that explains it): `.venv/bin/python -m suites.rl.golden`.
+
+Fields the loop's record gained after the trajectory was recorded are PENDING: the test compares every
+field the file holds, and allows exactly these to be missing from it. Their values depend on the
+machine's arithmetic like the rest, so they are added on a machine that reproduces the committed
+trajectory (`.venv/bin/python -m suites.rl.golden --add p99_abs kl_k3 frac_over_ln2 mismatch_tokens`
+records a run, refuses unless every committed field is bit-equal, then writes the named fields only);
+then empty PENDING.
 """
 from __future__ import annotations
 
@@ -17,6 +24,9 @@ from pathlib import Path
 
 PATH = Path(__file__).with_name("golden") / "dp2-tiny-qwen3-seed0.json"
 LAYOUT, MODEL, ITERATIONS = "dp2", "tiny-qwen3", 3
+# The engine-vs-trainer mismatch fields added with harness.rollout.mismatch (issue 35): not yet recorded
+# (the machine that added them, an Intel Xeon, does not reproduce the committed trajectory).
+PENDING = ("p99_abs", "kl_k3", "frac_over_ln2", "mismatch_tokens")
 VERSIONED = ("torch", "megatron-core", "mbridge", "transformers")
 
 
@@ -37,7 +47,13 @@ def load() -> dict:
     return json.loads(PATH.read_text())
 
 
-def _record() -> None:
+def comparable(got: list[dict], want: list[dict]) -> list[dict]:
+    """`got` without the PENDING fields the committed iterations do not hold (a field that is neither
+    committed nor PENDING stays, and fails the comparison)."""
+    return [{k: v for k, v in g.items() if k in w or k not in PENDING} for g, w in zip(got, want)] + got[len(want):]
+
+
+def _run() -> tuple[str, list[dict]]:
     from harness.backends import cpu_arithmetic
     from harness.launch.pool import WorldPool
     from harness.parallel.state import as_layout
@@ -50,11 +66,41 @@ def _record() -> None:
             history = loop.run()
     finally:
         pool.close()
+    return isa, trajectory(history)
+
+
+def _write(isa: str, iterations: list[dict]) -> None:
     PATH.parent.mkdir(exist_ok=True)
     PATH.write_text(json.dumps({"layout": LAYOUT, "model": MODEL, "cpu_isa": isa, "versions": versions(),
-                                "iterations": trajectory(history)}, indent=1) + "\n")
+                                "iterations": iterations}, indent=1) + "\n")
     print(f"wrote {PATH}")
 
 
+def _record() -> None:
+    _write(*_run())
+
+
+def _add(fields: list[str]) -> None:
+    """Add `fields` to the committed iterations from a run that reproduces every committed field."""
+    want = load()
+    isa, got = _run()
+    if (isa, versions()) != (want["cpu_isa"], want["versions"]):
+        raise SystemExit(f"this run ({isa}, {versions()}) is not the committed one's ({want['cpu_isa']}, "
+                         f"{want['versions']}): nothing added")
+    differ = sorted({k for g, w in zip(got, want["iterations"]) for k in w if g.get(k) != w[k]})
+    if differ or len(got) != len(want["iterations"]):
+        raise SystemExit(f"this machine does not reproduce the committed trajectory ({', '.join(differ)} differ): "
+                         "nothing added")
+    unknown = [f for f in fields if f not in got[0]]
+    if unknown:
+        raise SystemExit(f"the loop records no field {', '.join(unknown)}")
+    _write(want["cpu_isa"], [{**w, **{f: g[f] for f in fields}} for g, w in zip(got, want["iterations"])])
+
+
 if __name__ == "__main__":
-    _record()
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--add", nargs="+", metavar="FIELD", help="add these fields only (see PENDING)")
+    args = parser.parse_args()
+    _add(args.add) if args.add else _record()

