@@ -299,12 +299,16 @@ def _measure(policy, engine, bucket_bytes: int, repeats: int, log) -> dict[str, 
             raise RuntimeError(f"update {i + 1} moved {report.bytes} bytes in {report.buckets} buckets, the "
                                f"warm-up {warmup.bytes} in {warmup.buckets}")
         reports.append(report)
-        log(f"  update {i + 1}: {report.seconds:.3f}s, {report.gbps:.3f} GB/s")
+        log(f"  update {i + 1}: {report.seconds:.3f}s, {report.gbps:.3f} GB/s (export {report.export_seconds:.3f}s, "
+            f"engine load {report.load_seconds:.3f}s)")
     seconds = statistics.median(r.seconds for r in reports)
     return {"transport": warmup.transport, "bytes": warmup.bytes, "buckets": warmup.buckets,
             "tensors": warmup.tensors, "max_bucket_bytes": warmup.max_bucket_bytes,
             "seconds": _sig(seconds), "gbps": _sig(warmup.bytes / seconds / 1e9),
-            "samples_s": [_sig(r.seconds) for r in reports], "warmup_s": _sig(warmup.seconds)}
+            "samples_s": [_sig(r.seconds) for r in reports], "warmup_s": _sig(warmup.seconds),
+            # where the time goes: the ranks' export and packing, the engine's loads (the rest: the driver)
+            "export_s": _sig(statistics.median(r.export_seconds for r in reports)),
+            "load_s": _sig(statistics.median(r.load_seconds for r in reports))}
 
 
 def run(model: str = DEFAULT_MODEL, layout: str | None = DEFAULT_LAYOUT, device: str | None = None,

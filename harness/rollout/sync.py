@@ -65,6 +65,8 @@ class SyncReport:
     names: list[str] = field(default_factory=list)
     bucket_tensors: list[int] = field(default_factory=list)  # tensors per bucket, in order (cuts `names`)
     transport: str = "host"
+    export_seconds: float = 0.0  # in the ranks: the bridge's export, packing (and a broadcast's start)
+    load_seconds: float = 0.0  # in the engine: taking the buckets (the copies into its weights)
 
     @property
     def gbps(self) -> float:
@@ -107,12 +109,16 @@ def sync_weights(policy, engine, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, va
 def _stream(policy, engine, variant: str | None, report: SyncReport, progress) -> None:
     done = False
     while not done:
+        tick = time.perf_counter()
         bucket, done = policy.apply(_next)[0]
+        report.export_seconds += time.perf_counter() - tick
         size = bucket_nbytes(bucket)
         # The upstream bugs: an index slip drops one bucket, or the whole update is never sent; the
         # engine keeps its old tensors.
         if not (variant == "sync-skipped-bucket" and report.buckets == 1) and variant != "sync-skipped":
+            tick = time.perf_counter()
             engine.update_weights(bucket)
+            report.load_seconds += time.perf_counter() - tick
         report.buckets += 1
         names = bucket_names(bucket)
         report.tensors += len(names)

@@ -98,6 +98,17 @@ def vllm_pythonpath(pythonpath: str | os.PathLike | None = None) -> list[str]:
     return folders
 
 
+MAX_MODEL_LEN = 2048  # the longest sequence an engine takes unless told: rollouts here are short
+
+
+def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+    """The KV cache bytes one token takes: keys and values of every layer's KV heads."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
 def check_model(config: Any, device: str) -> None:
     """Refuse, before any process starts, a model that vLLM's CPU kernels cannot run."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -116,7 +127,7 @@ class VLLMEngine:
     def __init__(self, model: str | os.PathLike = "tiny-qwen3-hd32", *, dtype: torch.dtype = torch.float32,
                  device: str = "cpu", python: str | os.PathLike | None = None,
                  pythonpath: str | os.PathLike | None = None, max_model_len: int | None = None,
-                 kv_cache_bytes: int = 64 << 20, seed: int = 0, startup_timeout: float = 600.0,
+                 kv_cache_bytes: int | None = None, seed: int = 0, startup_timeout: float = 600.0,
                  call_timeout: float = 600.0, transport: str | None = None, engine_args: dict | None = None,
                  env: dict[str, str] | None = None, precision: str = "strict", gpu: int | None = None) -> None:
         from harness.models import load_hf_config, resolve_model
@@ -158,9 +169,11 @@ class VLLMEngine:
         self.asleep = False
         # False only for the catalog's sync-split-fused-group (sglang PR 38298's bug, here)
         self.hold_fused_groups = True
-        # max_model_len: the model's max_position_embeddings unless given (vLLM refuses a longer one)
-        self._start(dict(model=str(self.path), dtype=DTYPE_NAMES[dtype], seed=seed,
-                         max_model_len=max_model_len or int(config.max_position_embeddings),
+        # max_model_len: the model's max_position_embeddings up to MAX_MODEL_LEN unless given (vLLM
+        # refuses a longer one, and wants KV room for one whole sequence: qwen3-0.6b-shape has 40960)
+        max_model_len = max_model_len or min(int(config.max_position_embeddings), MAX_MODEL_LEN)
+        kv_cache_bytes = kv_cache_bytes or max(64 << 20, 4 * max_model_len * kv_bytes_per_token(config, dtype))
+        self._start(dict(model=str(self.path), dtype=DTYPE_NAMES[dtype], seed=seed, max_model_len=max_model_len,
                          kv_cache_bytes=kv_cache_bytes, device=device, engine_args=self.engine_args),
                     startup_timeout)
 

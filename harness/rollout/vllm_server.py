@@ -109,6 +109,9 @@ class Server:
                     logprobs_mode="processed_logprobs")
         if device == "cuda":
             args["enable_sleep_mode"] = True  # sleep()/wake() free and restore the GPU memory
+            # The KV cache's size is kv_cache_bytes; vLLM still refuses to start unless this share of
+            # the GPU is free, and the colocated trainer holds part of it (qwen3-0.6b-shape: 12 GiB).
+            args["gpu_memory_utilization"] = 0.3
         args.update(engine_args or {})
         self.llm = LLM(**args)
         config = self.llm.llm_engine.model_config.hf_config

@@ -32,9 +32,9 @@ class ReferenceWorker:
         self.offloader = OffloadManager(self, context().device)  # params only
 
     @torch.no_grad()
-    def logprobs(self, batch: RLBatch, micro_batches: int = 1) -> RankLogprobs:
+    def logprobs(self, batch: RLBatch, micro_batches: int = 1, temperature: float = 1.0) -> RankLogprobs:
         self.offloader.require("params", what="reference logprobs")
-        return megatron_logprobs(self.models, batch, micro_batches=micro_batches)
+        return megatron_logprobs(self.models, batch, micro_batches=micro_batches, temperature=temperature)
 
     def offload(self, components) -> list[dict]:
         return self.offloader.offload(tuple(components))

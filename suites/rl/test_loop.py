@@ -104,6 +104,10 @@ def test_the_same_seed_gives_the_committed_trajectory_on_any_machine(rl_loop, de
     from harness.backends import cpu_arithmetic
     from suites.rl import golden
 
+    committed = golden.path()
+    if committed is None or not committed.exists():
+        pytest.skip(f"no trajectory is committed for this CPU vendor ({golden.cpu_vendor()}): the pinned "
+                    "arithmetic does not reach across vendors (suites/rl/golden.py)")
     want = golden.load()
     if cpu_arithmetic.chosen() != want["cpu_isa"]:
         pytest.skip(f"the committed trajectory holds under --mrh-cpu-isa {want['cpu_isa']}; this run: "
@@ -116,9 +120,9 @@ def test_the_same_seed_gives_the_committed_trajectory_on_any_machine(rl_loop, de
     pending = sorted(set(recorded[0]) - set(got[0]))
     mismatched = [w["iteration"] for w, g in zip(want["iterations"], got) if w != g]
     report.add("iterations_not_bit_equal", len(mismatched), tolerance=0, passed=not mismatched, layout=layout,
-               model=golden.MODEL, dtype="fp32", claim="exact", against=str(golden.PATH.name),
+               model=golden.MODEL, dtype="fp32", claim="exact", against=committed.name,
                **({"not_recorded": ",".join(pending)} if pending else {}))
-    assert got == want["iterations"], f"iterations {mismatched} differ from {golden.PATH}"
+    assert got == want["iterations"], f"iterations {mismatched} differ from {committed}"
 
 
 @pytest.mark.layouts(cpu=["tp2", "pp2"], cuda=["tp2", "pp2", "pp2vpp2", "tp2-sp"])
