@@ -39,6 +39,8 @@ if [ -d .te ] && ! python3 -c "import transformer_engine" 2>/dev/null; then
     SMOKE=0 bash .te/build_on_device.sh .te > /tmp/te_build.log 2>&1 || { tail -40 /tmp/te_build.log; exit 1; }
   fi
   . /tmp/site/te_env.sh
+elif [ -f /tmp/site/te_env.sh ]; then
+  . /tmp/site/te_env.sh  # built by an earlier call on this machine (one that carried .te/)
 fi
 if [ -d .vllm ] && [ ! -f /tmp/vllm_site/vllm_env.sh ]; then
   echo "device_run.sh: installing vLLM from .vllm/ (log /tmp/vllm_install.log)" >&2
