@@ -28,6 +28,7 @@ H100_FP8 = "reports/gpu/2026-11-24-h100-fp8/measure/fp8.json"
 CPU_MOE_PARITY = "reports/cpu/2026-11-26-moe-parity/run/results.json"
 CPU_MOE_APPROXIMATE = "reports/cpu/2026-11-26-moe-approximate/run/results.json"
 H200X2_MOE_TE_A = "reports/gpu/2026-11-26-h200x2-moe-te/rows-a/20261126-032930-33f064/results.json"
+H100_VLLM = "reports/gpu/2026-11-27-h100-vllm/rows/20261127-014747-13a9a5/results.json"
 H200X2_MOE_TE_B = "reports/gpu/2026-11-26-h200x2-moe-te/rows-b/20261126-033518-0b9df6/results.json"
 
 NOTES = {
@@ -49,6 +50,9 @@ NOTES = {
                          "at tp1/dp2ep2/tp2-sp/tp2ep2etp1-sp/pp2, and the MoE controls (issue 26 run)",
     H200X2_MOE_TE_A: "2x H200, NCCL, stack A (megatron-core 0.16.1 + mbridge), suites/moe with its nightly sweeps on TE's "
                      "spec (TE 2.20.2) and the local one: the approximate-moe regime at every 2-GPU layout (issue 26 run, 8bd5774)",
+    H100_VLLM: "1x H100, vLLM 0.26.0 colocated (CUDA IPC) with Megatron on TE 2.20.2 and the local spec, stack A: "
+               "suites/rollout/test_vllm.py, test_mismatch.py (tiny-qwen3-hd32, qwen3-0.6b-shape) and the weight-sync "
+               "variants on the vLLM engine at tp1 (issue 35 run, e188756)",
     H200X2_MOE_TE_B: "2x H200, NCCL, stack B (megatron-core 0.19.2 + Megatron-Bridge), the same run (issue 26 run, 8bd5774)",
 }
 
