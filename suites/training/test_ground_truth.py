@@ -101,14 +101,20 @@ def test_micro_batching_is_invisible(aggregation):
 def test_batched_gradient_accumulation_matches_to_rounding():
     """batch_invariant=False: real batched accumulation; batched fp32 kernels round differently
     per batch size (~1e-6 on logprobs), so agreement is to rounding, not bits."""
+    start = {n: p.detach().clone() for n, p in build_hf_model("tiny-qwen3", dtype=torch.float32, seed=0).named_parameters()}
     ref_results, ref_params = _run(1, batch_invariant=False)
+    update = torch.cat([(ref_params[n] - start[n]).flatten() for n in ref_params])
     for micro in (2, 4):
         results, params = _run(micro, batch_invariant=False)
         for got, want in zip(results, ref_results):
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-5)
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
-        worst = max(float((params[n] - ref_params[n]).abs().max()) for n in params)
-        assert worst < 1e-5, f"{micro} micro-batches: params differ by {worst}"
+        # Adam moves an element whose gradient is rounding noise by up to ~lr whatever its sign, so one
+        # element's difference says little (1.4e-5 of a 2e-3 step on an Intel Xeon, 2026-11-27; under 1e-5
+        # on AMD EPYC): the two runs' updates must agree as a whole. Measured 2.7e-5 relative (Intel Xeon).
+        diff = torch.cat([(params[n] - ref_params[n]).flatten() for n in ref_params])
+        relative = float(diff.norm() / update.norm())
+        assert relative < 1e-4, f"{micro} micro-batches: params differ by {relative:g} of the update (L2)"
 
 
 def test_a_step_trains():
@@ -131,7 +137,10 @@ def test_policy_logprobs_match_the_parity_reference_and_have_grad():
     tb = _train_batch()
     lp = policy_logprobs(model, tb)
     assert lp.requires_grad
-    torch.testing.assert_close(lp.detach(), hf_logprobs(model, tb.batch), rtol=0, atol=1e-6)
+    # the same math to rounding: 1e-6, or 4 fp32 ulps of the logprob (2 ulps of a logprob near -10 measured
+    # on an Intel Xeon, 2026-11-27: 1.9e-6)
+    torch.testing.assert_close(lp.detach(), hf_logprobs(model, tb.batch), rtol=4 * torch.finfo(torch.float32).eps,
+                               atol=1e-6)
 
 
 # Megatron's OptimizerParamScheduler(init_lr=0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=2,
