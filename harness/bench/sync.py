@@ -220,13 +220,9 @@ def _machine(device) -> dict[str, Any]:
 def _cpu_name() -> str:
     import platform
 
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    from harness.report.fingerprint import cpuinfo_field
+
+    return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def _gpu_memory(worker) -> tuple[int, int] | None:

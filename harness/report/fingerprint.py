@@ -85,6 +85,19 @@ def _cpu() -> dict[str, Any]:
             "torch_threads": _safe(torch.get_num_threads) if torch is not None else None}
 
 
+def cpuinfo_field(key: str) -> str | None:
+    """The first value of `key` in /proc/cpuinfo (e.g. "model name", "vendor_id"); None where absent."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name.strip() == key:
+                    return value.strip()
+    except OSError:
+        pass
+    return None
+
+
 def _cpuinfo() -> tuple[str | None, list[str]]:
     """(model name, the ARITHMETIC_FLAGS present) from /proc/cpuinfo (Linux)."""
     model, flags = None, set()

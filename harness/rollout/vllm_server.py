@@ -5,9 +5,9 @@ torch and transformers, so it does not share the harness's venv) as a plain scri
 
     python -I harness/rollout/vllm_server.py --fd N
 
-It imports only the standard library, torch, vllm, `harness.compat.vllm` (the vLLM workarounds) and
-`harness.rollout.transfer` (the cuda-ipc consumer), which import nothing else of the harness: the repo
-root is appended to sys.path for them. `--path DIR` (repeatable) puts DIR first on sys.path: a vLLM
+It imports the standard library, torch, vllm, `harness.compat.vllm` (the vLLM workarounds) and, from
+`harness.rollout`, the transports' receiving side and `unfuse` (they need torch and transformers, both
+in every vLLM environment; no megatron-core): the repo root is appended to sys.path for them. `--path DIR` (repeatable) puts DIR first on sys.path: a vLLM
 installed with `pip install --target` (the GPU machines' bundle, ../shared/vllm) under an
 interpreter that runs with -I. Requests and replies are
 pickled (command, kwargs) tuples on the inherited socket `N`; tensors travel as plain pickles
@@ -25,7 +25,7 @@ import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parents[2]))  # for harness.compat.vllm and .rollout.transfer only
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # for harness.compat.vllm and harness.rollout
 
 # In-process engine core: tensors go straight to reload_weights (with multiprocessing on, its
 # EngineCore -> worker hop cannot pickle them: "cannot pickle memoryview objects").
@@ -358,13 +358,9 @@ class Server:
 
 def _unfuse_all(weights):
     """A fused gate_up_proj split into gate_proj and up_proj (gate rows first), as vLLM takes HF names."""
-    for name, tensor in weights:
-        if ".gate_up_proj." in name:
-            gate, up = tensor.chunk(2, dim=0)
-            yield name.replace("gate_up_proj", "gate_proj"), gate
-            yield name.replace("gate_up_proj", "up_proj"), up
-        else:
-            yield name, tensor
+    from harness.rollout.engine import unfuse
+
+    return [pair for name, tensor in weights for pair in unfuse(name, tensor)]
 
 
 def serve(conn: Connection, server: Server) -> None:

@@ -38,13 +38,9 @@ VERSIONED = ("torch", "megatron-core", "mbridge", "transformers")
 
 def cpu_vendor() -> str:
     """This machine's CPU vendor (/proc/cpuinfo's vendor_id), "unknown" where it does not say."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
+    from harness.report.fingerprint import cpuinfo_field
+
+    return cpuinfo_field("vendor_id") or "unknown"
 
 
 def path(vendor: str | None = None) -> Path | None:
