@@ -4,6 +4,7 @@
     mrh loop --model tiny-qwen3-moe --layout dp2ep2 --routing-replay    (MoE, R3)
     mrh loop --engine vllm --model tiny-qwen3-hd32                       (vLLM on CPU: head_dim >= 32)
     mrh loop --engine vllm --device cuda [--layout tp1|dp2] [--colocate] (vLLM on the first GPU)
+    mrh loop --engine vllm --device cuda --layout tp1 --placement separate (vLLM on GPU 1, NCCL broadcast)
 
 Prints one line per iteration (reward, loss, grad norm, token_mult_prob_error, mean |d| and kl_k3 of
 the engine's logprobs against the trainer's, seconds), and writes under --out (default
@@ -16,9 +17,9 @@ the iteration lines; each distinct warning in it gets one line on stderr after t
 
 On CUDA the engine shares the first GPU with rank 0 (colocated placement; the vLLM engine takes the
 weights by CUDA IPC); --colocate gives that GPU to one of them at a time (the policy offloaded while
-the engine generates, the engine asleep while the policy trains). The loop has no separate
-placement (the engine on a GPU of its own, weights by the `broadcast` transport of
-harness.rollout.transfer) yet, so there is no placement option.
+the engine generates, the engine asleep while the policy trains). `--placement separate` puts vLLM on
+the first GPU after the trainer's (tp1: GPU 1) and broadcasts the weights to it over a two-member NCCL
+group with rank 0 (the `broadcast` transport of harness.rollout.transfer; on CPU the same over gloo).
 """
 from __future__ import annotations
 
@@ -59,6 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rollout engine (default hf); vllm needs `make vllm` on cpu, with a head_dim >= 32 "
                              "model (e.g. tiny-qwen3-hd32), and a CUDA build of vLLM on cuda (MRH_VLLM_PYTHON, "
                              "MRH_VLLM_PATH), where it shares the first GPU with the trainer")
+    parser.add_argument("--placement", default="colocated", choices=["colocated", "separate"],
+                        help="on cuda, where the engine runs: colocated on the trainer's first GPU (vLLM: weights "
+                             "by CUDA IPC; default), or separate (vLLM only) on the next GPU after the trainer's, "
+                             "weights broadcast over NCCL (needs one GPU more than the layout's ranks)")
     parser.add_argument("--routing-replay", action="store_true",
                         help="MoE (R3): the trainer replays the routes the engine recorded; each iteration "
                              "reports the routing agreement (1.0 when replay works)")
@@ -74,7 +79,7 @@ def main(args: argparse.Namespace) -> int:
         config = LoopConfig(iterations=args.iterations, group_size=args.group_size, prompts_per_step=args.prompts,
                             max_tokens=args.max_tokens, lr=args.lr, kl_coef=args.kl_coef, dtype=args.dtype,
                             colocate=args.colocate, mixed=args.mixed, seed=args.seed, engine=args.engine,
-                            routing_replay=args.routing_replay)
+                            routing_replay=args.routing_replay, placement=args.placement)
         if config.routing_replay:
             from harness.models import load_hf_config
             from harness.rl.loop import require_experts
@@ -84,6 +89,10 @@ def main(args: argparse.Namespace) -> int:
             _check_vllm(args.model, checked["device"])
         rows = config.prompts_per_step * config.group_size
         layout = checked["layout"]
+        if config.placement == "separate" and checked["device"] == "cuda":
+            from harness.rl.loop import engine_options
+
+            engine_options(config, layout.world_size)  # one GPU beyond the trainer's, before any rank starts
         per_rank = rows // layout.dp
         if rows % layout.dp or per_rank % config.micro_batches:
             raise BadInput(f"{rows} rollouts per iteration do not split over dp={layout.dp} ranks into "

@@ -12,7 +12,8 @@ NeMo-RL's health metric, the k3 KL(engine || trainer), the share of tokens off b
 of 2) -> one policy step -> sync the weights into the engine. Everything is seeded from
 `LoopConfig.seed`: the same seed gives the same trajectory.
 
-On CUDA the engine (HF or vLLM) shares the first GPU with rank 0; `colocate=True` gives the GPU to
+On CUDA the engine (HF or vLLM) shares the first GPU with rank 0 (`placement="separate"`: vLLM on
+the next GPU after the trainer's, weights broadcast over NCCL); `colocate=True` gives the GPU to
 one of them at a time: the policy is offloaded while the engine generates, the engine sleeps (vLLM's
 sleep mode frees its weights and KV cache) while the policy computes logprobs and trains, and wakes
 for the weight sync.
@@ -28,6 +29,9 @@ import torch
 from harness.rl.task import make_task
 from harness.rollout import DEFAULT_BUCKET_BYTES, Sampling, sync_weights
 from harness.rollout.engines import ENGINES, open_engine
+
+
+PLACEMENTS = ("colocated", "separate")
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,9 @@ class LoopConfig:
     seed: int = 0
     engine: str = "hf"  # or "vllm" (harness.rollout.engines; a head_dim >= 32 model on CPU)
     routing_replay: bool = False  # MoE (R3): the trainer replays the engine's routes (harness.training.routing_replay)
+    # Where the engine runs on CUDA: "colocated" on the trainer's first GPU (vLLM: weights by CUDA IPC),
+    # "separate" on the first GPU after the trainer's (vLLM only: weights broadcast over NCCL).
+    placement: str = "colocated"
 
     def __post_init__(self) -> None:
         for name in ("iterations", "prompts_per_step", "group_size", "max_tokens", "micro_batches"):
@@ -67,6 +74,13 @@ class LoopConfig:
                              "of different distributions")
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.placement == "separate" and self.engine != "vllm":
+            raise ValueError("placement 'separate' (the engine on a GPU of its own, weights broadcast) is the "
+                             f"vLLM engine's: the {self.engine} engine shares the trainer's first GPU")
+        if self.placement == "separate" and self.colocate:
+            raise ValueError("colocate (offload and sleep turn by turn on one GPU) needs placement 'colocated'")
         if self.routing_replay and self.engine != "hf":
             raise ValueError("routing replay needs the engine's routes: the HF engine records them, "
                              f"the {self.engine} engine does not here")
@@ -140,7 +154,8 @@ class RLLoop:
                 dtype = torch.float32 if c.dtype == "fp32" else torch.bfloat16
                 self.reference = ReferenceHandle(world, layout, model, dtype=dtype, seed=c.seed)
             self.engine = open_engine(c.engine, model, dtype=torch.float32 if c.dtype == "fp32" else torch.bfloat16,
-                                      device="cuda" if world.device == "cuda" else "cpu")
+                                      device="cuda" if world.device == "cuda" else "cpu",
+                                      **engine_options(c, world.size if world.device == "cuda" else None))
             sync_weights(self.policy, self.engine, bucket_bytes=c.bucket_bytes)  # the engine starts as the policy
         except BaseException:
             self.close()
@@ -225,6 +240,20 @@ class RLLoop:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def engine_options(config: LoopConfig, trainer_gpus: int | None) -> dict[str, Any]:
+    """What the placement asks of the engine: "separate" puts vLLM on the GPU after the trainer's
+    `trainer_gpus` (None: not on CUDA) and broadcasts the weights to it (on CPU, over gloo)."""
+    if config.placement != "separate":
+        return {}
+    if trainer_gpus is None:
+        return {"transport": "broadcast"}
+    available = torch.cuda.device_count()
+    if available <= trainer_gpus:
+        raise ValueError(f"placement 'separate' needs a GPU beyond the trainer's {trainer_gpus}: "
+                         f"{available} visible")
+    return {"transport": "broadcast", "gpu": trainer_gpus}
 
 
 def require_experts(model, hf_config) -> None:

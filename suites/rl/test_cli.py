@@ -22,6 +22,9 @@ from harness.cli import main
     (["--model", "/nonexistent"], "nonexistent"),
     (["--engine", "vllm"], "the model has 16"),  # vLLM's CPU attention: head_dim >= 32
     (["--engine", "vllm", "--routing-replay"], "routing replay needs the engine's routes"),
+    (["--placement", "separate"], "placement 'separate' (the engine on a GPU of its own"),
+    (["--engine", "vllm", "--model", "tiny-qwen3-hd32", "--placement", "separate", "--colocate"],
+     "colocate (offload and sleep turn by turn on one GPU) needs placement 'colocated'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys, tmp_path):
     assert main(["loop", "--device", "cpu", "--out", str(tmp_path / "r"), *args]) == 2

@@ -31,7 +31,7 @@ def _run(rl_loop, layout, report=None, model="tiny-qwen3", rows=None, **config):
                 row = report.add(metric, value, tolerance=None, passed=True, claim="observed", layout=layout,
                                  model=model, dtype=config.get("dtype", "fp32"), iteration=h.iteration,
                                  colocate=config.get("colocate", False),
-                                 **({"engine": config["engine"]} if "engine" in config else {}))
+                                 **{k: config[k] for k in ("engine", "placement") if k in config})
                 if rows is not None:
                     rows.append(row)
     return history
@@ -188,11 +188,11 @@ def test_a_kl_penalty_brings_in_the_reference_and_changes_the_step(rl_loop, devi
     assert got[1].tokens == want[1].tokens and got[1].grad_norm != want[1].grad_norm
 
 
-@pytest.mark.layouts(cpu=["dp2"])
+@pytest.mark.layouts(cpu=["dp2"], cuda=["tp1", "dp2"])
 def test_the_loop_on_vllm_is_seeded_and_agrees_with_the_trainer(rl_loop, device, layout, report):
-    """vLLM as the loop's engine (CPU tier, tiny-qwen3-hd32): the same seed gives the same trajectory
-    bit for bit (vLLM seeds each request), and every iteration's engine-vs-trainer logprobs stay
-    inside the fp32 table."""
+    """vLLM as the loop's engine (tiny-qwen3-hd32; on CUDA colocated on the trainer's first GPU, weights
+    by CUDA IPC): the same seed gives the same trajectory bit for bit (vLLM seeds each request), and
+    every iteration's engine-vs-trainer logprobs stay inside the fp32 table."""
     first = _run(rl_loop, layout, report, model="tiny-qwen3-hd32", iterations=3, engine="vllm")
     again = _run(rl_loop, layout, model="tiny-qwen3-hd32", iterations=3, engine="vllm")
     assert _trajectory(again) == _trajectory(first)
@@ -201,3 +201,23 @@ def test_the_loop_on_vllm_is_seeded_and_agrees_with_the_trainer(rl_loop, device,
         for metric in ("max_abs", "mean_abs", "token_mult_prob_error"):
             assert sync_tolerance(metric, "fp32").passes(getattr(h, metric)), (h.iteration, metric, getattr(h, metric))
     assert len({tuple(map(tuple, h.tokens)) for h in first}) == 3  # the policy moves: new rollouts each time
+
+
+@pytest.mark.layouts(cpu=["dp2"], cuda=["tp1"])
+def test_the_loop_on_vllm_is_the_same_in_either_placement(rl_loop, device, layout, report):
+    """The engine's placement moves bytes, not numbers: vLLM on a GPU of its own with the weights
+    broadcast from rank 0 (NCCL; on CPU the same protocol over gloo) gives the trajectory of vLLM on
+    the trainer's GPU with the weights by CUDA IPC (on CPU: through the host), bit for bit."""
+    import torch
+
+    from harness.parallel.layout import parse_layout
+
+    ranks = parse_layout(layout).world_size
+    if device == "cuda" and torch.cuda.device_count() <= ranks:
+        pytest.skip(f"placement 'separate' needs a GPU beyond the trainer's {ranks}: "
+                    f"{torch.cuda.device_count()} visible")
+    colocated = _run(rl_loop, layout, report, model="tiny-qwen3-hd32", iterations=3, engine="vllm")
+    separate = _run(rl_loop, layout, report, model="tiny-qwen3-hd32", iterations=3, engine="vllm",
+                    placement="separate")
+    _check_mismatch(separate)
+    assert _trajectory(separate) == _trajectory(colocated)
