@@ -99,3 +99,23 @@ def test_a_killed_run_leaves_a_readable_report_with_unfinished_tests(pytester):
 
     summary = render_run(next(reports.iterdir()))["summary"].read_text()
     assert "unfinished" in summary and "test_second" in summary
+
+
+def test_the_written_file_is_the_document_as_outcomes_change(tmp_path):
+    """results.json keeps each row's text between writes (harness.report.session._text): what it
+    writes is document() exactly, also after a row's test changes its outcome and with rows of
+    tests still running."""
+    from harness.report.rows import Row
+    from harness.report.session import RunReport
+
+    run = RunReport(tmp_path, args=["suites"])
+    run.collected([("s/a.py::t1", "s"), ("s/a.py::t2", "s")])
+    run.add_rows([Row(suite="s", test="s/a.py::t1", layout="tp1", metric="m", value=1.5, tolerance=2.0, passed=True,
+                      claim="bounded")])
+    assert json.loads(run.flush().read_text()) == run.document()
+    run.outcome("s/a.py::t1", "s", "call", "passed", 0.5, "")
+    run.add_rows([Row(suite="s", test="s/a.py::t2", layout="tp1", metric="m", value=0.25, tolerance=None,
+                      passed=False, claim="observed")])
+    written = json.loads(run.flush().read_text())
+    assert [r["outcome"] for r in written["rows"]] == ["passed", "unfinished"]
+    assert json.dumps(written, sort_keys=True) == json.dumps(run.document(), sort_keys=True, default=str)
