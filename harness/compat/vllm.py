@@ -12,6 +12,19 @@ gated on the vLLM versions it was verified on.
   logprobs 4.1 off HF (tiny-qwen3-moe-hd32, fp32; suites/moe/test_vllm.py's guard test measures it
   each run). The workaround runs the experts' prepack again on a weight update, so the layerwise
   reload copies packed weights into the packed storage.
+- `CPU_TIED_LM_HEAD_REPACK` (found by this harness): on CPU a tied model's lm_head (a ParallelLMHead
+  sharing the embedding's parameter) computes the logits with a oneDNN matmul handle whose weight was
+  packed at the first load (`UnquantizedEmbeddingMethod.process_weights_after_loading` ->
+  `dispatch_cpu_unquantized_gemm` in model_executor/layers/utils.py). An in-place `reload_weights` of
+  `model.embed_tokens.weight` writes the shared parameter and reprocesses the embedding, but never the
+  lm_head: nothing is loaded under its name (a tied model skips `lm_head.`), so the layerwise reload
+  only puts its old tensors back (reload/layerwise.py `finalize_layerwise_processing`). The logits keep
+  coming from the checkpoint's embedding while the embedding reads back updated: a reload of a 0.05
+  perturbation moved the logprobs 1.69 off HF (tiny-qwen3-tied-hd32, fp32), 3.6e-6 from an HF model
+  whose lm_head kept the old values (suites/rollout/test_vllm.py's guard test measures it each run).
+  vLLM PR 51665's symptom (a tied lm_head left stale by a weight update) by another mechanism. The
+  workaround reprocesses every lm_head tied to an embedding after each in-place reload, as the first
+  load did.
 
 The gate, as in harness.compat.megatron_core: `install` raises `UnverifiedVLLMError` on a vLLM
 version a workaround was not verified on, before anything changes (the engine does not start; a
@@ -45,7 +58,11 @@ CPU_MOE_RELOAD_REPACK = Workaround(
     "cpu-moe-reload-repack", "UnquantizedFusedMoEMethod._setup_kernel prepacks the CPU MoE kernel's "
     "expert weights only on the first load: an in-place reload_weights leaves them unpacked in the "
     "packed storage", ("0.32.0",))
-WORKAROUNDS = (CPU_MOE_RELOAD_REPACK,)
+CPU_TIED_LM_HEAD_REPACK = Workaround(
+    "cpu-tied-lm-head-repack", "a tied model's CPU lm_head computes with a oneDNN copy of the embedding "
+    "packed at the first load: an in-place reload_weights of the embedding never repacks it (the logits "
+    "stay on the old embedding)", ("0.32.0",))
+WORKAROUNDS = (CPU_MOE_RELOAD_REPACK, CPU_TIED_LM_HEAD_REPACK)
 
 # Which installed workarounds act: the guard test turns one off to show the bug is still there.
 _ENABLED: dict[str, bool] = {}
@@ -66,8 +83,11 @@ def require(workaround: Workaround) -> None:
 
 def needed(hf_config: dict[str, Any], device: str) -> list[Workaround]:
     """The workarounds a model (its config.json, as a dict) needs on `device`."""
+    if device != "cpu":
+        return []
     experts = hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0
-    return [CPU_MOE_RELOAD_REPACK] if device == "cpu" and experts > 0 else []
+    return ([CPU_MOE_RELOAD_REPACK] if experts > 0 else []) + \
+        ([CPU_TIED_LM_HEAD_REPACK] if hf_config.get("tie_word_embeddings", False) else [])
 
 
 def install(hf_config: dict[str, Any], device: str) -> list[str]:
@@ -105,4 +125,34 @@ def _patch_cpu_moe_reload_repack() -> None:
     UnquantizedFusedMoEMethod._setup_kernel = _setup_kernel
 
 
-_PATCHES = {CPU_MOE_RELOAD_REPACK.name: _patch_cpu_moe_reload_repack}
+def _patch_cpu_tied_lm_head_repack() -> None:
+    from vllm.model_executor.model_loader.reload import inplace
+
+    original = inplace.finalize_layerwise_reload
+
+    def finalize_layerwise_reload(model, *args, **kwargs):
+        original(model, *args, **kwargs)
+        if _ENABLED.get(CPU_TIED_LM_HEAD_REPACK.name):
+            repack_tied_lm_heads(model)
+
+    finalize_layerwise_reload.__wrapped__ = original
+    inplace.finalize_layerwise_reload = finalize_layerwise_reload  # what reload_weights calls
+
+
+def repack_tied_lm_heads(model) -> int:
+    """Run each tied lm_head's post-load processing again (on CPU: pack its GEMM from the embedding's
+    current values, what the first load did); returns how many were repacked."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    embeddings = {id(module.weight) for module in model.modules()
+                  if isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead)}
+    count = 0
+    for module in model.modules():
+        if isinstance(module, ParallelLMHead) and id(module.weight) in embeddings:
+            module.quant_method.process_weights_after_loading(module)
+            count += 1
+    return count
+
+
+_PATCHES = {CPU_MOE_RELOAD_REPACK.name: _patch_cpu_moe_reload_repack,
+            CPU_TIED_LM_HEAD_REPACK.name: _patch_cpu_tied_lm_head_repack}

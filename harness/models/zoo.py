@@ -9,7 +9,8 @@ weights, for GPU runs.
 
 Naming: `<family>` is untied, `<family>-tied` ties lm_head to embed_tokens. `tiny-llama3` is
 `tiny-llama` with Llama-3 RoPE scaling whose original window (32) is shorter than its 128 positions;
-`tiny-qwen3-hd32` has head_dim 32, the smallest that vLLM's CPU attention runs.
+`tiny-qwen3-hd32` has head_dim 32, the smallest that vLLM's CPU attention runs; `tiny-qwen3-tied-hd32` is its
+tied twin (`tiny-qwen3-tied` with head_dim 32).
 
 Mixture-of-Experts: `tiny-qwen3-moe` (Qwen3-MoE: 4 experts of width 32, top-2, softmax router with
 the top-k probabilities renormalised) and `tiny-mixtral` (Mixtral: 4 experts of width 128, top-2,
@@ -159,6 +160,14 @@ def _build_zoo() -> dict[str, ZooModel]:
         config_class=Qwen3Config,
         config_kwargs={**_TINY_SHAPE, "head_dim": 32, "tie_word_embeddings": False},
         description=f"tiny Qwen3 (QK-norm) with head_dim 32 (vLLM's CPU kernels), untied lm_head, vocab {TINY_VOCAB_SIZE}",
+    ))
+    # Its tied twin (vLLM's CPU tier on a tied model: the catalog's sync-tied-lm-head-stale).
+    entries.append(ZooModel(
+        name="tiny-qwen3-tied-hd32",
+        config_class=Qwen3Config,
+        config_kwargs={**_TINY_SHAPE, "head_dim": 32, "tie_word_embeddings": True},
+        description=f"tiny Qwen3 (QK-norm) with head_dim 32 (vLLM's CPU kernels), tied lm_head/embed_tokens, "
+                    f"vocab {TINY_VOCAB_SIZE}",
     ))
     entries.append(ZooModel(
         name="tiny-llama3",

@@ -3,10 +3,14 @@ layer spec) pair: `cpu` (the local spec), and on CUDA once per selected spec (`c
 `cuda-local`; `--mrh-spec`). The `layouts` / `layout_pairs` markers parametrize (device, spec,
 layout) or (device, spec, source, target) jointly, because the layouts a CUDA machine can run
 depend on its GPU count. The test's spec is its `spec` fixture (added to every test taking
-`device`), which its worlds build models with."""
+`device`), which its worlds build models with. An entry of a device's list may be a
+`pytest.param(layout, marks=...)` (a pair: `pytest.param(source, target, marks=...)`): its marks go on
+that device's case, e.g. `pytest.mark.nightly` to run a layout of a sweep nightly only, the test id
+unchanged."""
 from __future__ import annotations
 
 import pytest
+from _pytest.mark.structures import ParameterSet
 
 from harness.parallel.layout import enumerate_layouts, parse_layout
 from harness.pytest_plugin.collection import GPU_MARKER, gpu_count, selected_devices, selected_specs
@@ -45,6 +49,14 @@ def _device_marks(device: str) -> list:
     return [getattr(pytest.mark, GPU_MARKER)] if device == "cuda" else []
 
 
+def _entry(entry) -> tuple:
+    """(value, marks) of one entry of a `layouts`/`layout_pairs` list: a layout or pair as is, or a
+    `pytest.param(...)` of one (its marks, e.g. nightly, go on that case)."""
+    if isinstance(entry, ParameterSet):
+        return (entry.values[0] if len(entry.values) == 1 else tuple(entry.values)), list(entry.marks)
+    return entry, []
+
+
 def cuda_layouts(config: pytest.Config) -> list[str]:
     """Every valid layout of the machine's GPUs (all of them), plus tp1 on one GPU.
     Without GPUs: the CPU tier's 2-rank layouts, so `-m gpu` reports skips rather than nothing."""
@@ -61,8 +73,9 @@ def _device_layout_params(config: pytest.Config, marker: pytest.Mark) -> list:
         layouts = marker.kwargs.get(device, [])
         if layouts == "all":
             layouts = cuda_layouts(config) if device == "cuda" else list(CPU_LAYOUTS)
-        params += [pytest.param(device, spec, layout, id=f"{name}-{layout}", marks=_device_marks(device))
-                   for layout in layouts]
+        for layout, marks in map(_entry, layouts):
+            params.append(pytest.param(device, spec, layout, id=f"{name}-{layout}",
+                                       marks=_device_marks(device) + marks))
     return params
 
 
@@ -79,8 +92,9 @@ def _device_pair_params(config: pytest.Config, marker: pytest.Mark) -> list:
         pairs = marker.kwargs.get(device, [])
         if pairs == "all":
             pairs = cuda_layout_pairs(config) if device == "cuda" else []
-        params += [pytest.param(device, spec, a, b, id=f"{name}-{a}-to-{b}", marks=_device_marks(device))
-                   for a, b in pairs]
+        for (a, b), marks in map(_entry, pairs):
+            params.append(pytest.param(device, spec, a, b, id=f"{name}-{a}-to-{b}",
+                                       marks=_device_marks(device) + marks))
     return params
 
 

@@ -81,9 +81,6 @@ class LoopConfig:
                              f"vLLM engine's: the {self.engine} engine shares the trainer's first GPU")
         if self.placement == "separate" and self.colocate:
             raise ValueError("colocate (offload and sleep turn by turn on one GPU) needs placement 'colocated'")
-        if self.routing_replay and self.engine != "hf":
-            raise ValueError("routing replay needs the engine's routes: the HF engine records them, "
-                             f"the {self.engine} engine does not here")
 
 
 @dataclass
@@ -154,7 +151,7 @@ class RLLoop:
                 dtype = torch.float32 if c.dtype == "fp32" else torch.bfloat16
                 self.reference = ReferenceHandle(world, layout, model, dtype=dtype, seed=c.seed)
             self.engine = open_engine(c.engine, model, dtype=torch.float32 if c.dtype == "fp32" else torch.bfloat16,
-                                      device="cuda" if world.device == "cuda" else "cpu",
+                                      device="cuda" if world.device == "cuda" else "cpu", routing=c.routing_replay,
                                       **engine_options(c, world.size if world.device == "cuda" else None))
             sync_weights(self.policy, self.engine, bucket_bytes=c.bucket_bytes)  # the engine starts as the policy
         except BaseException:

@@ -11,7 +11,8 @@ so (b) comes first):
   (c) a second sync with no step in between changes no engine weight and no engine logprob.
 The engine-side variants act here: sync-stale-prefix-cache (the engine keeps its prefix cache across
 the update), sync-sleep-level2-no-reload (the sleep discards the weights), logprobs-before-temperature
-(the trainer's logprobs without the temperature).
+(the trainer's logprobs without the temperature), sync-tied-lm-head-stale (the engine's tied lm_head
+untied from the start: only (b) sees it, a tied engine reports its embedding once).
 """
 from __future__ import annotations
 
@@ -93,6 +94,8 @@ def sync_check(make_policy: Callable[..., Any], layout: str, dtype: str = "fp32"
     policy = make_policy(layout, model, **CONFIG, dtype=dtype)
     try:
         engine = open_engine(engine, model, dtype=DTYPES[dtype], device=engine_device(device), **(engine_options or {}))
+        if variant == "sync-tied-lm-head-stale":
+            engine.set_lm_head_tied(False)  # vLLM 51665's bug: the tied lm_head loaded as a tensor of its own
         vocab = load_hf_config(model).vocab_size
         engine.generate(check_prompts(vocab), SAMPLING)  # served at the old weights: a prefix cache keeps them
         for step in range(steps):
@@ -119,6 +122,8 @@ def sync_check(make_policy: Callable[..., Any], layout: str, dtype: str = "fp32"
         result.check("unequal_tensors", len(bad), ", ".join(bad[:4]))
         result.check("engine_max_abs_diff", diffs["max_abs_diff"])
         _resync_changes_nothing(result, policy, engine, vocab, variant)
+        if variant == "sync-tied-lm-head-stale":
+            engine.set_lm_head_tied(True)  # a shared vLLM engine is reused (its reset ties it back too)
     finally:
         policy.close()
     return result

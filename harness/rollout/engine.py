@@ -70,7 +70,9 @@ class Rollouts:
 class RolloutEngine(Protocol):
     """The methods the harness needs from an inference engine."""
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> Rollouts: ...
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling, *, routing: bool = False) -> Rollouts:
+        """routing=True (a MoE model; vLLM: an engine opened with routing=True): `Rollouts.routing`
+        holds the route of every token the engine fed, by global layer (harness.rollout.routing)."""
 
     def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy one bucket of (HF name, tensor) into the engine; returns the tensors taken."""

@@ -3,7 +3,9 @@
 The HF engine is built fresh each time (it lives in this process). A vLLM engine is a process that
 takes ~15 s to start, so one per (model, dtype, device, options) is kept for the life of this process
 and handed out reset to its checkpoint's weights; it is stopped at exit. `options` reach the vLLM
-engine (`precision`, `transport`, `engine_args`, `env`: harness.rollout.vllm_engine).
+engine (`precision`, `transport`, `engine_args`, `env`: harness.rollout.vllm_engine). `routing=True`
+opens an engine whose `generate(..., routing=True)` gives the routes (R3): the HF engine records them on
+demand, a vLLM engine is started so (its own process: one per option set).
 """
 from __future__ import annotations
 
@@ -15,7 +17,10 @@ ENGINES = ("hf", "vllm")
 _VLLM: dict[tuple, object] = {}
 
 
-def open_engine(kind: str, model: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu", **options):
+def open_engine(kind: str, model: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                routing: bool = False, **options):
+    if kind == "vllm" and routing:
+        options["routing"] = True
     if kind == "hf":
         if options:
             raise ValueError(f"the HF engine takes no options, got {sorted(options)}")

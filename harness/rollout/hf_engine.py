@@ -42,8 +42,9 @@ class HFEngine:
     # ------------------------------------------------------------------------- generation
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling, *, routing: bool = False) -> Rollouts:
-        """routing=True (a MoE model): the rollouts also carry the routers' top-k of every token,
-        by global layer (`Rollouts.routing`, harness.rollout.routing), recorded as generated."""
+        """routing=True (a MoE model): the rollouts also carry the routers' top-k of every token fed,
+        by global layer (`Rollouts.routing`, harness.rollout.routing), recorded as generated; the
+        last sampled token is never fed (PAD), as in vLLM."""
         require_awake(self, "generate")
         prompt_ids, prompt_mask, index = prompt_rows(prompts, sampling.n, self.vocab_size, self.pad_id)
         generator = torch.Generator().manual_seed(sampling.seed)
@@ -58,8 +59,8 @@ class HFEngine:
                 token, logprob = self._sample(out.logits[:, -1], sampling.temperature, generator)
                 tokens.append(token)
                 logprobs.append(logprob)
-                if step + 1 == sampling.max_tokens and not routing:
-                    break  # (with routing, the last token is fed too: its routes are recorded)
+                if step + 1 == sampling.max_tokens:
+                    break
                 mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
                 positions = positions[:, -1:] + 1
                 out = self.model(input_ids=token.unsqueeze(1).to(self.device), attention_mask=mask.long(),
@@ -97,6 +98,18 @@ class HFEngine:
             param, index = self._slots[name]
             param.view(-1)[index.to(param.device)] = tensor.to(param.device, param.dtype)
         return len(plan)
+
+    @torch.no_grad()
+    def set_lm_head_tied(self, tied: bool) -> None:
+        """A tied model's lm_head: tied=False gives it a weight of its own, a copy of the embedding as it
+        is now (the catalog's sync-tied-lm-head-stale, vLLM PR 51665's bug: a tied model's redundant
+        checkpoint lm_head loaded as its own tensor, never re-tied); tied=True ties it back."""
+        if not self.tied:
+            raise ValueError(f"{self.path.name} does not tie its lm_head to its embedding")
+        head, embed = self.model.get_output_embeddings(), self.model.get_input_embeddings()
+        head.weight = embed.weight if tied else torch.nn.Parameter(embed.weight.detach().clone(),
+                                                                   requires_grad=False)
+        self._params = dict(self.model.named_parameters(remove_duplicate=False))
 
     @torch.no_grad()
     def weights(self) -> dict[str, torch.Tensor]:

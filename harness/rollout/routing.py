@@ -6,10 +6,15 @@ experts the router chose for that token, in the router's order; ``PAD`` (-1) whe
 Global layer indices are what keeps the trainer aligned under pipeline parallelism (verl #5037: a
 stage that reads the routes by its own local layer index replays another stage's routes).
 
-The HF engine records while it generates (`RoutingRecorder`): the prefill routes the prompt, each
-decode step the token it feeds, and one more step the last sampled token, which generation never
-feeds back. The trainer's side (megatron-core's RouterReplay fed these routes) is
-`harness.training.routing_replay`.
+An engine records the route of every token it FEEDS through the model: the prompt (prefill) and
+each sampled token fed back by the next decode step. The last sampled token of a row is never fed
+(generation stops after sampling it), so it has no route: PAD, in every engine. vLLM's
+`routed_experts` (prompt + completion - 1 rows) and SGLang's are the same; the HF engine
+(`RoutingRecorder`) follows it. The trainer replays experts 0..K-1 there, as at pads: that
+position's output predicts past the end of the row, so no logprob, loss or gradient depends on its
+route (`routed_positions`: where a route must be). The trainer's side (megatron-core's RouterReplay
+fed these routes) is `harness.training.routing_replay`; vLLM's routes reach this format through
+`from_token_routes` (harness.rollout.vllm_routes).
 """
 from __future__ import annotations
 
@@ -63,24 +68,65 @@ class RoutingRecorder:
 
     def routes(self, batch_size: int, real: torch.Tensor) -> torch.Tensor:
         """[B, S, L, K]: each call's [B * s, K] indices (HF flattens batch-major) along the
-        sequence; PAD where `real` ([B, S] bool) is False."""
+        sequence; PAD where `real` ([B, S] bool) is False. Calls that covered S - 1 columns (a
+        generation: the last sampled token is never fed) leave the last column PAD."""
         per_layer = [torch.cat([c.view(batch_size, -1, c.shape[-1]) for c in calls], dim=1)
                      for calls in self.calls.values()]
         routes = torch.stack(per_layer, dim=2)
+        if routes.shape[1] == real.shape[1] - 1:
+            routes = torch.cat([routes, torch.full_like(routes[:, :1], PAD)], dim=1)
         if routes.shape[1] != real.shape[1]:
             raise RuntimeError(f"recorded {routes.shape[1]} routed positions for {real.shape[1]} columns")
         return torch.where(real[:, :, None, None], routes, torch.full_like(routes, PAD))
 
 
+def last_tokens(real: torch.Tensor) -> torch.Tensor:
+    """[B, S] bool: each row's last real token (the last sampled one: never fed, so never routed)."""
+    columns = torch.arange(real.shape[1]).expand_as(real)
+    last = torch.where(real, columns, -1).amax(dim=1, keepdim=True)
+    return real & (columns == last)
+
+
+def routed_positions(real: torch.Tensor) -> torch.Tensor:
+    """[B, S] bool: the real tokens an engine must have a route for (all but each row's last)."""
+    return real & ~last_tokens(real)
+
+
+def from_token_routes(rows: list[torch.Tensor], real: torch.Tensor) -> torch.Tensor:
+    """[B, S, L, K] from one [n_b, L, K] per row: the routes of the row's fed tokens in order (an
+    engine's per-request form: vLLM's `CompletionOutput.routed_experts`, prompt + completion - 1
+    rows), placed on the row's real columns (left padding skipped); PAD at pads and at the last
+    token. A row whose count is not its real tokens less one raises: an engine that returned the
+    last token's route, or lost one, would otherwise be replayed one token off."""
+    if len(rows) != real.shape[0]:
+        raise ValueError(f"routes for {len(rows)} rows, the batch has {real.shape[0]}")
+    shapes = {tuple(r.shape[1:]) for r in rows}
+    if len(shapes) != 1:
+        raise ValueError(f"rows' routes of (layers, top-k) shapes {sorted(shapes)}: expected one")
+    layers, k = shapes.pop()
+    out = torch.full((*real.shape, layers, k), PAD, dtype=torch.int64)
+    where = routed_positions(real)
+    for b, r in enumerate(rows):
+        expected = int(where[b].sum())
+        if r.shape[0] != expected:
+            raise ValueError(f"row {b}: routes of {r.shape[0]} tokens for {int(real[b].sum())} real tokens "
+                             f"(expected {expected}: every token but the last sampled one)")
+        out[b, where[b]] = r.to(torch.int64)
+    if bool((out[where] < 0).any()):
+        raise ValueError("an engine's route holds a negative expert id")
+    return out
+
+
 def routing_agreement(engine: torch.Tensor, trainer: torch.Tensor, real: torch.Tensor) -> float:
-    """The fraction of (real token, layer) pairs whose top-k expert SETS are equal (the order within
-    a top-k is the router's and means nothing). A token the trainer did not route counts as a
-    disagreement. 1.0 is what replay must give; RFC #4168 reports ~0.9 without it."""
+    """The fraction of (routed token, layer) pairs whose top-k expert SETS are equal (the order
+    within a top-k is the router's and means nothing); routed tokens: the real ones but each row's
+    last (`routed_positions`). A token the trainer did not route, or the engine did not record,
+    counts as a disagreement. 1.0 is what replay must give; RFC #4168 reports ~0.9 without it."""
     if engine.shape != trainer.shape:
         raise ValueError(f"routes of shape {tuple(engine.shape)} and {tuple(trainer.shape)}")
     same = (engine.sort(-1).values == trainer.sort(-1).values).all(-1)  # [B, S, L]
-    same &= (trainer >= 0).all(-1)
-    return float(same[real].float().mean())
+    same &= (trainer >= 0).all(-1) & (engine >= 0).all(-1)
+    return float(same[routed_positions(real)].float().mean())
 
 
 def drifted(routes: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -18,9 +18,13 @@ The catalog's `weight-sync` variants are upstream bugs of exactly this path (har
 A MoE model's experts travel one tensor per expert (`mlp.experts.<e>.gate_up_proj.weight`, ...), so an
 expert group (a layer's experts of one projection, `expert_group`) may straddle buckets: the
 `sync-expert-group-split` variant is what a grouped export makes of that (SkyRL PR 1471).
+`sync-partial-bucket` hands the engine the first tensor of a bucket only (a loader that stops part-way,
+the same on every transport); `sync-tied-lm-head-stale` is the engine's (its lm_head untied,
+harness.rollout.check).
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from collections import Counter
@@ -30,14 +34,15 @@ from typing import Any, Iterator
 import torch
 
 from harness.rollout.engine import FUSED_GATE_UP
-from harness.rollout.transfer import TRANSPORTS, bucket_names, bucket_nbytes
+from harness.rollout.transfer import TRANSPORTS, WireBucket, bucket_names, bucket_nbytes
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 IMPLEMENTED = ("sync-skipped-bucket", "sync-swapped-tp-shards", "sync-unsynced-tied-embedding",
                "sync-swapped-gate-up", "sync-split-fused-group", "sync-expert-group-split", "sync-skipped",
-               "sync-qkv-not-grouped", "sync-experts-misordered",
+               "sync-qkv-not-grouped", "sync-experts-misordered", "sync-partial-bucket",
                # the engine's and the check's (harness.rollout.check)
-               "sync-stale-prefix-cache", "sync-sleep-level2-no-reload", "logprobs-before-temperature")
+               "sync-stale-prefix-cache", "sync-sleep-level2-no-reload", "logprobs-before-temperature",
+               "sync-tied-lm-head-stale")
 # HF projections that Megatron splits by output rows over TP (column-parallel).
 _COLUMN_PARALLEL = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")
 _EMBEDDINGS = ("model.embed_tokens.weight", "lm_head.weight")
@@ -107,20 +112,23 @@ def sync_weights(policy, engine, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, va
 
 
 def _stream(policy, engine, variant: str | None, report: SyncReport, progress) -> None:
-    done = False
+    done, cut = False, False
     while not done:
         tick = time.perf_counter()
         bucket, done = policy.apply(_next)[0]
         report.export_seconds += time.perf_counter() - tick
         size = bucket_nbytes(bucket)
+        names = bucket_names(bucket)
+        loaded = bucket
+        if variant == "sync-partial-bucket" and not cut and len(names) > 1:
+            loaded, cut = _prefix(bucket, 1), True  # the engine's loader stops after the first tensor
         # The upstream bugs: an index slip drops one bucket, or the whole update is never sent; the
         # engine keeps its old tensors.
         if not (variant == "sync-skipped-bucket" and report.buckets == 1) and variant != "sync-skipped":
             tick = time.perf_counter()
-            engine.update_weights(bucket)
+            engine.update_weights(loaded)
             report.load_seconds += time.perf_counter() - tick
         report.buckets += 1
-        names = bucket_names(bucket)
         report.tensors += len(names)
         report.bucket_tensors.append(len(names))
         report.bytes += size
@@ -128,6 +136,15 @@ def _stream(policy, engine, variant: str | None, report: SyncReport, progress) -
         report.names += names
         if progress is not None:
             progress(report)
+
+
+def _prefix(bucket, count: int):
+    """The sync-partial-bucket variant: what a loader that stops after `count` tensors takes of a bucket,
+    on any transport. A packed bucket (cuda-ipc, broadcast) keeps its whole buffer, which travels as
+    before (a broadcast's sizes must match), and loses the tail of its layout."""
+    if isinstance(bucket, WireBucket):
+        return dataclasses.replace(bucket, specs=bucket.specs[:count])
+    return list(bucket)[:count]
 
 
 def _ensure_group(policy, engine) -> None:

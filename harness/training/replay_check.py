@@ -1,17 +1,20 @@
 """The routing-replay invariants as one check (suites/moe/test_routing_replay.py, `mrh repro` of the
 routing-replay variants).
 
-The HF engine generates from the checkpoint's weights and records its routes; a fresh policy at the
-same weights then
+An engine (the HF engine, or vLLM: `engine="vllm"`, on the model's vLLM twin) generates from the
+checkpoint's weights and records its routes (harness.rollout.routing); a fresh policy at the same
+weights then
   (a) replays routes that share no expert with its own routing in that step (`drifted_everywhere`:
       the case where replay matters most) for a training step: every router's weight gets a
       finite gradient, all zero in no layer (ISEEKYAN/Megatron-LM#79 reads exact zeros there), and
       equal to the gradient of the single-process HF model forced to the same routes within the
       training suite's fp32 bound;
-  (b) replays the engine's routes for a training step: the routers route every real token of
-      every layer exactly as the engine did (agreement 1.0; verl #5037 replays another stage's).
+  (b) replays the engine's routes for a training step: the routers route every routed token (all
+      real ones but each row's last, which no engine feeds) of every layer exactly as the engine did
+      (agreement 1.0; verl #5037 replays another stage's).
 `disagreement` measures the trainer's own routing against the engine's without replay (RFC #4168's
-figure), a plain measurement, and the agreement with replay on the same weights (exact).
+figure) and the train-inference logprob mismatch without and with replay (the R3 paper's comparison),
+plain measurements, and the agreement with replay on the same weights (exact).
 """
 from __future__ import annotations
 
@@ -54,6 +57,7 @@ class ReplayResult(Judged):
     device: str
     variant: str | None
     model: str
+    engine: str = "hf"
     checks: list[CheckResult] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     router_grad_norm: float = 0.0
@@ -62,10 +66,11 @@ class ReplayResult(Judged):
         self.judge(metric, value, BOUNDS[metric], f"{metric}={value:g}" + (f" ({detail})" if detail else ""))
 
     def rows(self, **fields: Any) -> list[Row]:
-        return self.check_rows(self.layout, self.model, **fields, variant=self.variant)
+        return self.check_rows(self.layout, self.model, **fields, variant=self.variant, engine=self.engine)
 
     def summary(self) -> str:
-        what = f"{self.model} {self.layout} {self.dtype}" + (f" variant={self.variant}" if self.variant else "")
+        what = (f"{self.model} {self.layout} {self.dtype} engine={self.engine}"
+                + (f" variant={self.variant}" if self.variant else ""))
         return f"{what}: " + ("; ".join(self.failures) if self.failures else
                               f"replays the engine's routes exactly; router grad norm {self.router_grad_norm:.3g}")
 
@@ -88,13 +93,6 @@ def rollout_batch(rollouts, seed: int = 0):
     advantages = torch.randn(batch.batch_size, 1, generator=g).expand(batch.input_ids.shape)
     mask = batch.response_mask & batch.logprob_mask()
     return RLTrainBatch(batch, torch.where(mask, advantages, 0.0), rollouts.logprobs, rollouts.logprobs)
-
-
-def own_routes(policy, batch) -> torch.Tensor:
-    """The routes the policy's routers take on `batch` by themselves (its logprob forward)."""
-    from harness.training.routing_replay import logprobs_with_routes
-
-    return logprobs_with_routes(policy, batch, None)[1]
 
 
 def drifted_everywhere(policy, batch, num_experts: int, variant: str | None = None) -> torch.Tensor:
@@ -147,13 +145,29 @@ def relative_difference(grads: dict[int, torch.Tensor], truth: dict[int, torch.T
     return float(diff.norm() / torch.cat([t.double().flatten() for t in truth.values()]).norm())
 
 
+def engine_model(engine: str, model: str) -> str:
+    """The model an engine runs the check on: vLLM on CPU takes no head_dim below 32, so a tiny model
+    runs as its vLLM twin (harness.rollout.vllm_engine.VLLM_TWINS); the policy is built on the same."""
+    from harness.rollout.vllm_engine import VLLM_TWINS
+
+    return VLLM_TWINS.get(model, model) if engine == "vllm" else model
+
+
+def open_routing_engine(engine: str, model: str, dtype: str, device: str):
+    """An engine (harness.rollout.engines: vLLM's is shared, reset to the checkpoint) at the checkpoint's
+    weights that records routes."""
+    from harness.rollout.engines import open_engine
+
+    return open_engine(engine, model, dtype=DTYPES[dtype], device="cuda" if device == "cuda" else "cpu", routing=True)
+
+
 def replay_check(make_policy: Callable[..., Any], layout: str, dtype: str = "fp32", *, variant: str | None = None,
-                 device: str = "cpu", model: str = MODEL) -> ReplayResult:
-    """(a) and (b) on a fresh policy and an HF engine at the checkpoint's weights; closes the policy."""
+                 device: str = "cpu", model: str = MODEL, engine: str = "hf") -> ReplayResult:
+    """(a) and (b) on a fresh policy and an engine (`engine`: "hf" or "vllm") at the checkpoint's
+    weights; closes the policy."""
     from harness.bridge.preflight import num_experts
     from harness.models import load_hf_config
     from harness.parallel.layout import parse_layout
-    from harness.rollout.hf_engine import HFEngine
     from harness.rollout.routing import routing_agreement
     from harness.training.routing_replay import train_with_routes
     from harness.variants import require
@@ -161,11 +175,12 @@ def replay_check(make_policy: Callable[..., Any], layout: str, dtype: str = "fp3
     if dtype != "fp32":
         raise ValueError(f"the routing-replay check runs in fp32 (its router-gradient ground truth is the fp32 "
                          f"HF model), not {dtype}")
+    model = engine_model(engine, model)
     config = load_hf_config(model)
     require(variant, check="routing-replay", layout=parse_layout(str(layout)), config=config)
-    result = ReplayResult(str(layout), dtype, device, variant, model)
-    engine = HFEngine(model, dtype=DTYPES[dtype], device="cuda" if device == "cuda" else "cpu")
-    rollouts = engine.generate(prompts(config.vocab_size), SAMPLING, routing=True)
+    result = ReplayResult(str(layout), dtype, device, variant, model, engine)
+    rollouts = open_routing_engine(engine, model, dtype, device).generate(prompts(config.vocab_size), SAMPLING,
+                                                                          routing=True)
     real = rollouts.batch.attention_mask
     train_batch = rollout_batch(rollouts)
     policy = make_policy(layout, model, **CONFIG, dtype=dtype)
@@ -188,28 +203,36 @@ def replay_check(make_policy: Callable[..., Any], layout: str, dtype: str = "fp3
 
 
 def disagreement(make_policy: Callable[..., Any], layout: str, dtype: str, *, model: str = MODEL,
-                 device: str = "cpu") -> dict[str, float]:
-    """Engine and trainer at the checkpoint's weights in `dtype`, the trainer's logprob forward on the
-    engine's rollouts: without replay, the fraction of (real token, layer) top-k sets where its own
-    routing differs from the engine's, and of real tokens routed differently in at least one layer
-    (RFC #4168's two figures); with replay, the agreement (1.0 when replay works)."""
+                 device: str = "cpu", engine: str = "hf") -> dict[str, Any]:
+    """Engine (`engine`: "hf" or "vllm") and trainer at the checkpoint's weights in `dtype`, the
+    trainer's logprob forward on the engine's rollouts: without replay, the fraction of (routed
+    token, layer) top-k sets where its own routing differs from the engine's, and of routed tokens
+    routed differently in at least one layer (RFC #4168's two figures); with replay, the agreement
+    (1.0 when replay works). `mismatch` and `mismatch_r3`: the engine's logprobs of its samples
+    against the trainer's without and with replay (harness.rollout.mismatch.mismatch_metrics)."""
     from harness.models import load_hf_config
-    from harness.rollout.hf_engine import HFEngine
-    from harness.rollout.routing import routing_agreement
+    from harness.rollout.mismatch import mismatch_metrics
+    from harness.rollout.routing import routed_positions, routing_agreement
     from harness.training.routing_replay import logprobs_with_routes
 
+    model = engine_model(engine, model)
     config = load_hf_config(model)
-    engine = HFEngine(model, dtype=DTYPES[dtype], device="cuda" if device == "cuda" else "cpu")
-    rollouts = engine.generate(prompts(config.vocab_size, count=8), SAMPLING, routing=True)
+    rollouts = open_routing_engine(engine, model, dtype, device).generate(prompts(config.vocab_size, count=8),
+                                                                          SAMPLING, routing=True)
     policy = make_policy(layout, model, dtype=dtype, routing_replay=True)
     try:
-        mine = own_routes(policy, rollouts.batch)
-        replayed = logprobs_with_routes(policy, rollouts.batch, rollouts.routing)[1]
+        own_logprobs, mine, _ = logprobs_with_routes(policy, rollouts.batch, None)
+        replayed_logprobs, replayed, _ = logprobs_with_routes(policy, rollouts.batch, rollouts.routing)
     finally:
         policy.close()
     real = rollouts.batch.attention_mask
+    routed = routed_positions(real)
     differs = (rollouts.routing.sort(-1).values != mine.sort(-1).values).any(-1)  # [B, S, L]
-    return {"routing_disagreement": float(differs[real].float().mean()),
-            "tokens_routed_differently": float(differs.any(-1)[real].float().mean()),
-            "routed_pairs": int(differs[real].numel()),
-            "routing_agreement": routing_agreement(rollouts.routing, replayed, real)}
+    sampled = rollouts.batch.response_mask
+    engine_logprobs = rollouts.logprobs.cpu()
+    return {"model": model, "routing_disagreement": float(differs[routed].float().mean()),
+            "tokens_routed_differently": float(differs.any(-1)[routed].float().mean()),
+            "routed_pairs": int(differs[routed].numel()),
+            "routing_agreement": routing_agreement(rollouts.routing, replayed, real),
+            "mismatch": mismatch_metrics(engine_logprobs, own_logprobs.cpu(), sampled),
+            "mismatch_r3": mismatch_metrics(engine_logprobs, replayed_logprobs.cpu(), sampled)}

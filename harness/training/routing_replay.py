@@ -29,7 +29,7 @@ from typing import Any, Iterator
 
 import torch
 
-from harness.rollout.routing import PAD
+from harness.rollout.routing import PAD, last_tokens
 
 IMPLEMENTED = ("replay-from-zeroed-probs", "replay-local-layer-index")
 
@@ -55,16 +55,20 @@ def routers(models) -> list[_Router]:
 
 def fed_routes(micro, routes: torch.Tensor) -> torch.Tensor:
     """The routes [b, s, L, K] of a micro-batch as fed (its rows' routes [B, S, L, K] moved where
-    `micro.unmap` says each fed token came from); experts 0..K-1 at fed positions of no row token."""
+    `micro.unmap` says each fed token came from); experts 0..K-1 at fed positions of no row token
+    and at each row's last token, which no engine routes (it is never fed; its output predicts past
+    the row, so nothing the loss sees depends on its route: harness.rollout.routing)."""
     b, s = micro.tokens.shape
     fed_number = torch.arange(1, b * s + 1, dtype=torch.float64).view(b, s)
     source = micro.unmap(fed_number).long()  # rows layout: which fed position (1-based) each token went to
     real = source > 0
     layers, k = routes.shape[-2:]
+    unrouted = last_tokens(real)[:, :, None, None] & (routes < 0)
+    routes = torch.where(unrouted, torch.arange(k).expand_as(routes), routes)
     out = torch.arange(k).expand(b * s, layers, k).clone()
     out[source[real] - 1] = routes[real]
     if bool((out < 0).any()):
-        raise ValueError("a real token has no recorded route (PAD inside the rows' real tokens)")
+        raise ValueError("a real token has no recorded route (PAD inside the rows' real tokens, before the last)")
     return out.view(b, s, layers, k)
 
 

@@ -114,6 +114,12 @@ def _needs_tied_pp(layout, config) -> str | None:
     return None
 
 
+def _needs_tied(layout, config) -> str | None:
+    if not getattr(config, "tie_word_embeddings", False):
+        return "needs a tied-embedding model (tie_word_embeddings: the engine's lm_head is its embedding)"
+    return None
+
+
 def _needs_gqa_groups(layout, config) -> str | None:
     heads, groups = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     if not 1 < groups < heads:
@@ -446,6 +452,37 @@ _SYNC: tuple[Variant, ...] = (
             "weight sync through vLLM on CUDA: unequal_tensors and max_abs_diff after the sleep/wake",
             upstream="huggingface/trl issue 5312 (sleep level 2 without a reload: stale weights)",
             default_layout="dp2", model="tiny-qwen3-hd32", engine="vllm", devices=("cuda",), dtypes=("fp32",)),
+    Variant("sync-tied-lm-head-stale", "weight-sync", "upstream-bug",
+            "the engine holds a tied model's lm_head as a tensor of its own (loaded from a checkpoint that "
+            "ships a redundant lm_head, never re-tied to the embedding), so a sync, which sends the tied "
+            "embedding once, updates the embedding and leaves the output projection on the old weights. "
+            "Engine-side, after a correct sync at any layout: not sync-unsynced-tied-embedding (the "
+            "sender leaving the embedding out under PP) nor unsynced-tied-embedding (the trainer's last-"
+            "stage copy under PP)",
+            "the engine's logits come from the previous policy's embedding while every weight it reports "
+            "reads back correct (a tied engine reports the embedding once): rollouts drift from the "
+            "trainer step by step",
+            "weight sync: max_abs / mean_abs engine vs trainer logprobs after a step and a sync (the "
+            "weights read back bit-equal)",
+            upstream="vllm-project/vllm PR 51665 (a tied config whose checkpoint also ships lm_head: loaded "
+                     "untied and not re-tied, an update of the embedding does not reach the LM head; the PR "
+                     "re-ties it)",
+            requires=_needs_tied, default_layout="dp2", model="tiny-qwen3-tied", dtypes=("fp32",)),
+    Variant("sync-partial-bucket", "weight-sync", "negative-control",
+            "a bucket applied partially: the engine's loader stops after the first tensor of a bucket (a "
+            "load that raises or aborts part-way through the bucket's weights iterator, swallowed), so the "
+            "rest of that bucket never reaches its weights while the sender counts it sent; shown on the "
+            "first bucket that carries several tensors, on every transport (the bytes travel, the loader "
+            "takes a prefix)",
+            "the engine serves a mix of new and old tensors (a mixed checkpoint state) with no error; "
+            "a vLLM engine holding a fused q/k/v group for the missing member keeps that layer old",
+            "weight sync: unequal_tensors and max_abs_diff (bit-exact read-back) and engine vs trainer "
+            "logprobs, after a step and a sync",
+            upstream="no shipped bug of this shape found: the hazard named in review of NVIDIA-NeMo/RL PR 3651 "
+                     "(vLLM reload_weights raising part-way through a bucket's iterator, no failure "
+                     "bookkeeping) and NVIDIA/TensorRT-LLM PR 16642 (a failed incremental update leaves a "
+                     "subset of the parameters updated: a mixed checkpoint state)",
+            default_layout="dp2"),
     Variant("logprobs-before-temperature", "weight-sync", "upstream-bug",
             "the trainer's logprobs are taken before the sampling temperature, the engine's after it "
             "(or vLLM's raw_logprobs against a trainer that applies the temperature)",

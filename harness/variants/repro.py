@@ -39,7 +39,8 @@ class Runner:
     hf_cache: dict = field(default_factory=dict)
     cache: dict = field(default_factory=dict)  # what a check makes once per run (e.g. a reference)
     spec: str = "local"  # the layer spec of its worlds (a crash trial's job starts a world of its own)
-    engine: str | None = None  # weight-sync: the rollout engine, if not the entry's own (e.g. "vllm" on CUDA)
+    engine: str | None = None  # weight-sync, routing-replay: the rollout engine, if not the entry's own (e.g. "vllm")
+    engine_options: dict = field(default_factory=dict)  # weight-sync: the engine's (e.g. transport="broadcast")
 
     @classmethod
     def from_pool(cls, pool, device: str, workdir: Path) -> "Runner":
@@ -217,7 +218,7 @@ def _weight_sync(variant: Variant, layout: str, dtype: str, runner: Runner) -> t
 
     def run(variant_id):
         result = sync_check(runner.make_policy, layout, dtype, variant=variant_id, device=runner.device,
-                            model=model, engine=engine)
+                            model=model, engine=engine, engine_options=dict(runner.engine_options) or None)
         return Run(result.passed, result.checks, result.summary(), result.rows())
 
     return run(variant.id), run(None)
@@ -240,12 +241,13 @@ def _fp8(variant: Variant, layout: str, dtype: str, runner: Runner) -> tuple[Run
 
 def _routing_replay(variant: Variant, layout: str, dtype: str, runner: Runner) -> tuple[Run, Run]:
     """The engine's routes replayed by a fresh policy (harness.training.replay_check): the trainer's
-    routing against the engine's, the router grads under a drifted replay; variant and fixed path."""
+    routing against the engine's (HF's, or vLLM's with `runner.engine`), the router grads under a
+    drifted replay; variant and fixed path."""
     from harness.training.replay_check import replay_check
 
     def run(variant_id):
         result = replay_check(runner.make_policy, layout, dtype, variant=variant_id, device=runner.device,
-                              model=variant.model)
+                              model=variant.model, engine=runner.engine or "hf")
         return Run(result.passed, result.checks, result.summary(), result.rows())
 
     return run(variant.id), run(None)

@@ -108,6 +108,40 @@ def test_every_cuda_variant_runs_once_per_selected_layer_spec(pytester, monkeypa
     refused.stderr.fnmatch_lines(["*--mrh-spec te needs Transformer Engine*not installed*"])
 
 
+SWEEP = """
+import pytest
+
+NIGHTLY = pytest.mark.nightly
+
+@pytest.mark.layouts(cpu=["tp2", pytest.param("pp2", marks=NIGHTLY)], cuda=["tp2", "pp2"])
+def test_layout(device, layout):
+    pass
+
+@pytest.mark.layout_pairs(cpu=[("tp2", "dp2"), pytest.param("dp2", "pp2", marks=NIGHTLY)], cuda=[("tp2", "pp2")])
+def test_pair(device, source, target):
+    pass
+"""
+
+
+def test_a_layout_entry_may_carry_the_nightly_marker(pytester):
+    """`layouts`/`layout_pairs` entries may be pytest.param(..., marks=...): a sweep keeps its CI point
+    and runs the rest nightly, on that device only, its test ids unchanged."""
+    pytester.makepyfile(test_inner=SWEEP)
+    args = ["--collect-only", "-q", "-p", "no:cacheprovider", "--mrh-spec=local",
+            f"--mrh-report-dir={pytester.path / 'reports'}"]
+
+    def ids(*extra):
+        done = pytester.runpytest(*args, *extra)
+        return {l.split("::", 1)[1] for l in done.outlines if l.startswith("test_inner.py::")}
+
+    daily = {"test_layout[cpu-tp2]", "test_pair[cpu-tp2-to-dp2]"}
+    assert ids() == daily
+    assert ids("--mrh-nightly") == daily | {"test_layout[cpu-pp2]", "test_pair[cpu-dp2-to-pp2]"}
+    assert ids("-m", "nightly") == {"test_layout[cpu-pp2]", "test_pair[cpu-dp2-to-pp2]"}
+    assert ids("-m", "gpu") == {"test_layout[cuda-local-tp2]", "test_layout[cuda-local-pp2]",
+                                "test_pair[cuda-local-tp2-to-pp2]"}
+
+
 CRASHING = """
 import pytest
 

@@ -19,11 +19,11 @@ from harness.offload.tolerances import TABLE as OFFLOAD
 from harness.parity.tolerances import FP8
 from harness.parity.tolerances import TABLE as PARITY
 from harness.report import packed
-from harness.rollout.tolerances import REAL_SHAPE
+from harness.rollout.tolerances import EXACT_TIER, REAL_SHAPE
 from harness.rollout.tolerances import TABLE as SYNC
 from harness.training.tolerances import TABLE as TRAINING
 
-TABLES = (PARITY, FP8, TRAINING, RESUME, CRASH, OFFLOAD, SYNC, REAL_SHAPE)
+TABLES = (PARITY, FP8, TRAINING, RESUME, CRASH, OFFLOAD, SYNC, REAL_SHAPE, EXACT_TIER)
 ENTRIES = [(table, entry) for table in TABLES for entry in table.entries]
 
 

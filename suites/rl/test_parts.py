@@ -35,7 +35,6 @@ def test_group_advantages_are_normalized_within_each_group():
     (dict(dtype="fp16"), "dtype must be fp32 or bf16"),
     (dict(lr=0.0), "lr must be > 0"),
     (dict(temperature=0.8), "temperature must be 1.0"),  # the step's logprobs are at temperature 1
-    (dict(engine="vllm", routing_replay=True), "routing replay needs the engine's routes"),
 ])
 def test_bad_loop_settings_are_one_clear_error(kwargs, message):
     with pytest.raises(ValueError, match=message):

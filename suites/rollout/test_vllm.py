@@ -134,6 +134,61 @@ def test_bad_input_is_one_clear_error_before_any_work(engine, tmp_path):
     assert engine.generate([[1, 2]], Sampling(n=1, max_tokens=2)).completions.shape == (1, 2)
 
 
+TIED = "tiny-qwen3-tied-hd32"
+
+
+def test_a_tied_lm_head_follows_an_update_of_the_embedding(rollout, device, report):
+    """A tied model's logits come from its embedding as updated. vLLM 0.32.0 on CPU repacks a tied
+    lm_head's GEMM at the first load only (harness.compat.vllm `cpu-tied-lm-head-repack`): with the
+    workaround an update of the embedding reaches the logits; the guard turns it off and requires the
+    stale head to show by the sensitivity margin, so it fails once vLLM fixes the bug. On CUDA no
+    workaround is installed: the update must reach the logits as it is."""
+    from harness.compat.vllm import CPU_TIED_LM_HEAD_REPACK
+    from harness.tolerance import SENSITIVITY_MARGIN
+
+    engine, hf = rollout(TIED, engine="vllm"), HFEngine(TIED)
+    bound = sync_tolerance("max_abs", "fp32").limit
+    name = "model.embed_tokens.weight"
+    embedding = hf.weights()[name]
+    assert set(engine.weights()) == set(hf.weights())  # a tied engine reports its embedding once
+    update = [(name, embedding + 0.05 * torch.randn(embedding.shape, generator=torch.Generator().manual_seed(3)))]
+    hf.update_weights(update)  # HF's head is its embedding
+
+    def against_hf() -> float:
+        rollouts = engine.generate(prompts(hf.vocab_size), SAMPLING)
+        return (rollouts.logprobs - _hf_logprobs(hf.model, rollouts, SAMPLING.temperature)).abs().max().item()
+
+    engine.update_weights(update)
+    updated = against_hf()
+    report.add("vllm_vs_hf_max_abs_after_embedding_update", updated, tolerance=bound, passed=updated <= bound,
+               claim="bounded", layout="none", model=TIED, dtype="fp32", engine="vllm",
+               workaround=",".join(engine.workarounds) or "none")
+    assert updated <= bound
+    assert engine.workarounds == ([CPU_TIED_LM_HEAD_REPACK.name] if device == "cpu" else [])
+    if device == "cpu":
+        engine.reset()
+        engine.set_workaround(CPU_TIED_LM_HEAD_REPACK.name, False)
+        try:
+            engine.update_weights(update)
+            bare = against_hf()
+        finally:
+            engine.set_workaround(CPU_TIED_LM_HEAD_REPACK.name, True)
+        separation = bare / bound
+        report.add("vllm_vs_hf_max_abs_after_embedding_update", bare, tolerance=bound, passed=bare <= bound,
+                   claim="observed", layout="none", model=TIED, dtype="fp32", engine="vllm", workaround="off")
+        report.add("separation", separation, tolerance=SENSITIVITY_MARGIN, passed=separation >= SENSITIVITY_MARGIN,
+                   claim="control", layout="none", model=TIED, dtype="fp32", engine="vllm", tolerance_kind="min",
+                   workaround=CPU_TIED_LM_HEAD_REPACK.name, worst_metric="vllm_vs_hf_max_abs_after_embedding_update")
+        assert separation >= SENSITIVITY_MARGIN, (
+            f"vLLM {engine.versions['vllm']}: without {CPU_TIED_LM_HEAD_REPACK.name} an embedding update is "
+            f"{bare:.3g} off HF, under {SENSITIVITY_MARGIN:g}x the bound {bound:g}: the bug may be fixed, "
+            "re-verify harness.compat.vllm")
+    engine.reset()  # the checkpoint's embedding (with the workaround on): HF's again
+    assert against_hf() > bound
+    hf.update_weights([(name, embedding)])
+    assert against_hf() <= bound
+
+
 def test_a_dead_engine_process_is_a_clear_error_naming_its_log(engine):
     """Last in this file: it kills the shared engine (the next user starts a new one)."""
     engine.process.kill()

