@@ -1,7 +1,7 @@
 """The weight-sync invariants as one check (suites/rollout, `mrh repro` of the weight-sync variants).
 
 The engine first serves the check's prompts at the checkpoint's weights (a prefix cache now holds
-their KV). After a training step and a sync:
+their KV). After a training step, the trainer's offload/reload round trip and a sync:
   (b) the engine's logprobs of its own samples (at temperature 0.8; prompts it served before the sync
       among them) match the trainer's logprobs of the same tokens at the same temperature (max |d|,
       mean |d|, token_mult_prob_error; bounds per dtype in harness.rollout.tolerances);
@@ -101,6 +101,10 @@ def sync_check(make_policy: Callable[..., Any], layout: str, dtype: str = "fp32"
         for step in range(steps):
             policy.step(make_rl_train_batch(vocab, batch_size=4, seed=step, prompt_lengths=[3, 6, 2, 5],
                                             response_lengths=[5, 4, 6, 3]))
+        # colocation: the trainer gives the GPU up while the engine generates; what it syncs comes
+        # back from the host (an offload that loses or reorders state shows in (a) and (b))
+        policy.offload()
+        policy.reload()
         if variant == "sync-stale-prefix-cache":
             engine.reset_cache_on_load = False  # NeMo-RL 4018's bug: the cache outlives the update
         try:
