@@ -61,7 +61,7 @@ class BatchInvarianceUnavailable(RuntimeError):
 
 def check(device: str) -> None:
     """Refuse a batch-invariant policy on anything but CUDA (one clear error, before any rank works)."""
-    if torch.device(device).type != "cuda":
+    if str(device).split(":")[0] != "cuda":  # "cuda" or "cuda:0"
         raise ValueError("batch_invariant=True needs CUDA: megatron-core's batch-invariant kernels are Triton "
                          f"kernels registered for the GPU's dispatch key (harness.backends.batch_invariant); "
                          f"this world runs on {device!r}")
