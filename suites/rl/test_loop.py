@@ -203,7 +203,8 @@ def test_the_loop_on_vllm_is_seeded_and_agrees_with_the_trainer(rl_loop, device,
     assert len({tuple(map(tuple, h.tokens)) for h in first}) == 3  # the policy moves: new rollouts each time
 
 
-@pytest.mark.layouts(cpu=["dp2"], cuda=["tp1"])
+# CPU: nightly (the broadcast transport's CPU point in CI is test_vllm.py's separate-engine sync).
+@pytest.mark.layouts(cpu=[pytest.param("dp2", marks=pytest.mark.nightly)], cuda=["tp1"])
 def test_the_loop_on_vllm_is_the_same_in_either_placement(rl_loop, device, layout, report):
     """The engine's placement moves bytes, not numbers: vLLM on a GPU of its own with the weights
     broadcast from rank 0 (NCCL; on CPU the same protocol over gloo) gives the trajectory of vLLM on

