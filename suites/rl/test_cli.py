@@ -90,27 +90,11 @@ def test_an_existing_report_is_never_overwritten(tmp_path, capsys):
     assert "nothing is overwritten" in capsys.readouterr().err and (tmp_path / "keep.txt").read_text() == "mine"
 
 
-def test_a_run_prints_each_iteration_and_writes_its_report(tmp_path, capsys):
-    out = tmp_path / "run"
-    assert main(["loop", "--device", "cpu", "--layout", "dp2", "--iterations", "2", "--out", str(out)]) == 0
-    printed = capsys.readouterr().out
-    assert printed.count("token_mult_prob_error") == 2 and printed.count("kl_k3") == 2 and "reward" in printed
-    data = json.loads((out / "iterations.json").read_text())
-    assert [it["iteration"] for it in data["iterations"]] == [0, 1] and data["layout"] == "dp2"
-    for it in data["iterations"]:  # the engine-vs-trainer mismatch of each iteration, in full
-        assert it["token_mult_prob_error"] >= 1.0 and it["mean_abs"] >= 0 and 0 <= it["p99_abs"] <= it["max_abs"]
-        assert it["kl_k3"] >= -1e-12 and 0.0 <= it["frac_over_ln2"] <= 1.0 and it["mismatch_tokens"] == 64
-    for plot in ("loop.png", "mismatch.png"):
-        assert (out / plot).stat().st_size > 1000, plot
-    table = list(csv.DictReader((out / "iterations.csv").open()))
-    assert len(table) == 2 and all(float(row["kl_k3"]) == it["kl_k3"] for row, it in zip(table, data["iterations"]))
-    summary = (out / "summary.md").read_text()
-    assert "| 1 |" in summary and "kl_k3" in summary and "64 tokens per iteration" in summary
-
-
-def test_rank_output_goes_to_the_run_log_and_leaves_the_progress_lines_alone(tmp_path):
-    """The ranks' warnings (Megatron's, torch's) land in <out>/ranks.log; the terminal gets the
-    iteration lines back to back and one pointer line per distinct warning, after the run."""
+def test_a_run_prints_each_iteration_writes_its_report_and_keeps_rank_output_in_its_log(tmp_path):
+    """One `mrh loop` run (dp2, 2 iterations): each iteration is a line with its mismatch figures, and
+    the report holds them all (JSON, CSV, plots, summary). The ranks' warnings (Megatron's, torch's)
+    land in <out>/ranks.log; the terminal gets the iteration lines back to back and one pointer line
+    per distinct warning, after the run."""
     out = tmp_path / "run"
     mrh = Path(sys.executable).with_name("mrh")
     done = subprocess.run([str(mrh), "loop", "--device", "cpu", "--layout", "dp2", "--iterations", "2",
@@ -125,6 +109,19 @@ def test_rank_output_goes_to_the_run_log_and_leaves_the_progress_lines_alone(tmp
     pointers = [line for line in done.stderr.splitlines() if "ranks.log" in line]
     assert pointers and len(pointers) == len(set(pointers)), done.stderr
     assert not [line for line in done.stderr.splitlines() if "[rank" in line and line not in pointers], done.stderr
+    printed = done.stdout
+    assert printed.count("token_mult_prob_error") == 2 and printed.count("kl_k3") == 2 and "reward" in printed
+    data = json.loads((out / "iterations.json").read_text())
+    assert [it["iteration"] for it in data["iterations"]] == [0, 1] and data["layout"] == "dp2"
+    for it in data["iterations"]:  # the engine-vs-trainer mismatch of each iteration, in full
+        assert it["token_mult_prob_error"] >= 1.0 and it["mean_abs"] >= 0 and 0 <= it["p99_abs"] <= it["max_abs"]
+        assert it["kl_k3"] >= -1e-12 and 0.0 <= it["frac_over_ln2"] <= 1.0 and it["mismatch_tokens"] == 64
+    for plot in ("loop.png", "mismatch.png"):
+        assert (out / plot).stat().st_size > 1000, plot
+    table = list(csv.DictReader((out / "iterations.csv").open()))
+    assert len(table) == 2 and all(float(row["kl_k3"]) == it["kl_k3"] for row, it in zip(table, data["iterations"]))
+    summary = (out / "summary.md").read_text()
+    assert "| 1 |" in summary and "kl_k3" in summary and "64 tokens per iteration" in summary
 
 
 @pytest.mark.nightly  # ~45 s on the CI machine; the loop on vLLM itself runs in CI (test_loop.py)
