@@ -39,22 +39,6 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
-COVERS = {
-    "aten::mm, aten::addmm": "persistent Triton matmul: the local spec's linear layers, the output layer",
-    "aten::_log_softmax": "Triton log-softmax (the harness's logprobs use vocab_parallel_cross_entropy instead)",
-    "aten::mean.dim": "Triton mean: the local spec's RMSNorm (LocalRMSNorm)",
-    "TE general_gemm": "every TE linear layer's GEMM (TE spec)",
-    "TE RMSNorm.forward": "TE's standalone RMSNorm: final norm, QK-norm (TE spec)",
-    "TE apply_normalization": "the RMSNorm fused into TE's LayerNormLinear (TE spec; megatron-core 0.19.2 only)",
-}
-NOT_COVERED = {
-    "attention": "TransformerConfig.batch_invariant_mode (FlashAttention, num_splits=1) needs a flash-attn "
-                 "package the GPU image does not have: TE's cuDNN/unfused attention, or the local spec's torch "
-                 "baddbmm/softmax/bmm, run as they come",
-    "logprobs": "megatron-core's vocab_parallel_cross_entropy (max, exp, sum over the vocabulary): unpatched",
-}
-
-
 class BatchInvarianceUnavailable(RuntimeError):
     """megatron-core's batch-invariant kernels cannot be loaded here (no Triton)."""
 
@@ -102,10 +86,3 @@ def batch_invariance(on: bool) -> Iterator[None]:
         except ImportError:  # 0.16.1's unpatch looks for TE's modules; the aten kernels are gone already
             pass
 
-
-def state() -> dict:
-    """Whether the kernels are on in this process now (for reports)."""
-    try:
-        return {"batch_invariant": bool(kernels().is_batch_invariant_mode_enabled())}
-    except BatchInvarianceUnavailable as error:
-        return {"batch_invariant": False, "unavailable": str(error)}

@@ -90,9 +90,6 @@ class DivergenceReport:
     def diff(self, point: str) -> PointDiff:
         return next(d for d in self.diffs if d.point == point)
 
-    def worst(self) -> PointDiff:
-        return max(self.diffs, key=lambda d: (math.isnan(d.max_abs), d.max_abs))
-
     def table(self) -> str:
         """Markdown: every point's max |d| (and the reference's scale), the first divergence marked."""
         first = self.first

