@@ -67,12 +67,24 @@ def cuda_layouts(config: pytest.Config) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def spare_gpu_layouts(config: pytest.Config) -> list[str]:
+    """The layouts that leave the machine a GPU of its own for a separate rollout engine (its last):
+    tp1, and every layout of half the GPUs when that leaves one spare (4 GPUs: the 2-rank layouts).
+    Without a spare GPU: tp1 only (the test skips, saying why)."""
+    count = min(gpu_count(), config.getoption("--mrh-max-world-size") or 1 << 30)
+    half = count // 2
+    names = ["tp1"] + ([l.name for l in enumerate_layouts(half)] if half > 1 and half < gpu_count() else [])
+    return list(dict.fromkeys(names))
+
+
 def _device_layout_params(config: pytest.Config, marker: pytest.Mark) -> list:
     params = []
     for device, spec, name in backends(config):
         layouts = marker.kwargs.get(device, [])
         if layouts == "all":
             layouts = cuda_layouts(config) if device == "cuda" else list(CPU_LAYOUTS)
+        elif layouts == "spare-gpu" and device == "cuda":  # a separate engine's placement
+            layouts = spare_gpu_layouts(config)
         for layout, marks in map(_entry, layouts):
             params.append(pytest.param(device, spec, layout, id=f"{name}-{layout}",
                                        marks=_device_marks(device) + marks))

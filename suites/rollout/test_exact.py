@@ -180,6 +180,10 @@ def test_megatron_batch_invariant_kernels_are_on_for_a_call_only():
 
 # ---------------------------------------------------------------------------------------- GPU tier
 N_ROWS = (4, 8)
+# Batch invariance at tiny-qwen3-hd32 and at a real shape: at hidden 64 a batch of 8 changes no kernel's
+# tiling (the controls without the switches were bit-identical too, 2x H100 2026-11-27), so the rows
+# that show the switches matter are qwen3-0.6b-shape's (hidden 1024, 16 heads, vocab 151936).
+INVARIANCE_MODELS = (MODEL, "qwen3-0.6b-shape")
 GREEDY = Sampling(n=1, max_tokens=12, temperature=0.0, seed=3)
 
 
@@ -195,24 +199,27 @@ def _cases():
 
 
 def _record_invariance(report, side: str, batch_invariant: bool, n: int, ragged: bool, same: bool, max_abs: float,
-                       layout: str, dtype: str, **extra) -> None:
+                       layout: str, dtype: str, model: str, **extra) -> None:
     report.add("batch_invariance_max_abs", max_abs, tolerance=0.0 if batch_invariant else None,
                passed=same or not batch_invariant, claim="exact" if batch_invariant else "observed", layout=layout,
-               model=MODEL, dtype=dtype, side=side, batch_invariant=batch_invariant, rows=n,
+               model=model, dtype=dtype, side=side, batch_invariant=batch_invariant, rows=n,
                others="ragged" if ragged else "equal", identical=same, **extra)
 
 
 @pytest.mark.gpu
 @pytest.mark.layouts(cuda=["tp1"])
+@pytest.mark.parametrize("model", INVARIANCE_MODELS)
 @pytest.mark.parametrize("batch_invariant", [True, False], ids=["mode", "control"])
-def test_vllm_logprobs_of_a_sequence_do_not_depend_on_its_batch(request, device, layout, batch_invariant, report):
+def test_vllm_logprobs_of_a_sequence_do_not_depend_on_its_batch(request, device, layout, batch_invariant, model,
+                                                                report):
     """The target prompt alone, then with 3 and 7 other prompts (as long as it, or ragged): its greedy
     completion and its logprobs bit-identical with VLLM_BATCH_INVARIANT=1; without, recorded. Prompts
     stay under one KV block (16 tokens on CUDA) so no prefix-cache hit changes what is computed."""
     from harness.pytest_plugin.worlds import skip_unless_fits
 
     skip_unless_fits(request.config, 1, device)
-    engine = _engine(device, torch.bfloat16, **({"batch_invariant": True} if batch_invariant else {}))
+    engine = open_engine("vllm", model, dtype=torch.bfloat16, device=device,
+                         **({"batch_invariant": True} if batch_invariant else {}))
     state = engine.batch_invariance()
     assert state["env"] == batch_invariant and bool(state["mode"]) == batch_invariant, state
     target = TOKENS[:10]
@@ -224,7 +231,7 @@ def test_vllm_logprobs_of_a_sequence_do_not_depend_on_its_batch(request, device,
         lp = batch.logprobs[0][batch.batch.response_mask[0]]
         same = torch.equal(batch.completions[0], alone.completions[0]) and torch.equal(lp, lp_alone)
         max_abs = float((lp - lp_alone).abs().max()) if lp.shape == lp_alone.shape else float("inf")
-        _record_invariance(report, "vllm", batch_invariant, n, ragged, same, max_abs, layout, "bf16",
+        _record_invariance(report, "vllm", batch_invariant, n, ragged, same, max_abs, layout, "bf16", model,
                            attention_backend=state["attention_backend"])
         results.append(same)
     if batch_invariant:
@@ -233,14 +240,15 @@ def test_vllm_logprobs_of_a_sequence_do_not_depend_on_its_batch(request, device,
 
 @pytest.mark.gpu
 @pytest.mark.layouts(cuda=["tp1"])
+@pytest.mark.parametrize("model", INVARIANCE_MODELS)
 @pytest.mark.parametrize("batch_invariant", [True, False], ids=["kernels", "control"])
 def test_megatron_logprobs_of_a_sequence_do_not_depend_on_its_batch(policy, device, layout, spec, batch_invariant,
-                                                                   report):
+                                                                   model, report):
     """The same on the trainer: the target row alone, then first in batches of 4 and 8 rows (right
     padded when ragged): bit-identical logprobs with megatron-core's batch-invariant kernels on."""
     from harness.data.rl_batch import RLBatch
 
-    p = policy(layout, MODEL, dtype="bf16", batch_invariant=batch_invariant)
+    p = policy(layout, model, dtype="bf16", batch_invariant=batch_invariant)
 
     def logprobs(rows):
         width = max(map(len, rows))
@@ -259,7 +267,7 @@ def test_megatron_logprobs_of_a_sequence_do_not_depend_on_its_batch(policy, devi
         lp = logprobs([target] + _others(n - 1, ragged, len(target), seed=n))
         same = torch.equal(lp, alone)
         _record_invariance(report, "megatron", batch_invariant, n, ragged, same, float((lp - alone).abs().max()),
-                           layout, "bf16")
+                           layout, "bf16", model)
         results.append(same)
     if batch_invariant:
         assert all(results), f"Megatron's batch-invariant kernels ({spec} spec): the row's logprobs changed ({results})"

@@ -80,14 +80,17 @@ def test_a_synced_bf16_vllm_engine_equals_the_trained_policy(policy, device, lay
     _synced(policy, device, layout, "bf16", report)
 
 
-@pytest.mark.layouts(cpu=["dp2"], cuda=["tp1"])
+@pytest.mark.layouts(cpu=["dp2"], cuda="spare-gpu")
 def test_a_separate_engine_synced_by_broadcast_equals_the_trained_policy(policy, device, layout, report):
     """The separate placement: the engine on a GPU of its own (the machine's last), weights broadcast
-    from rank 0 over a two-member group (NCCL on CUDA, gloo on the CPU tier: the same protocol)."""
+    from rank 0 over a two-member group (NCCL on CUDA, gloo on the CPU tier: the same protocol). On
+    CUDA from every layout that leaves a GPU spare (tp1 on 2 GPUs; the 2-rank layouts too on 4)."""
+    from harness.parallel import parse_layout
+
     options = {"transport": "broadcast"}
     if device == "cuda":
-        if torch.cuda.device_count() < 2:
-            pytest.skip("the separate placement needs a second GPU for the engine")
+        if torch.cuda.device_count() <= parse_layout(layout).world_size:
+            pytest.skip(f"the separate placement needs a GPU beside the layout's {layout} for the engine")
         options["gpu"] = torch.cuda.device_count() - 1
     result = sync_check(policy, layout, "fp32", device=device, model=MODEL, engine="vllm", engine_options=options)
     _record(report, result)
