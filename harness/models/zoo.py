@@ -161,6 +161,14 @@ def _build_zoo() -> dict[str, ZooModel]:
         config_kwargs={**_TINY_SHAPE, "head_dim": 32, "tie_word_embeddings": False},
         description=f"tiny Qwen3 (QK-norm) with head_dim 32 (vLLM's CPU kernels), untied lm_head, vocab {TINY_VOCAB_SIZE}",
     ))
+    # Both: the vLLM suite's model at TP4 (4-GPU layouts), measured first on 4x H100 2026-11-27.
+    entries.append(ZooModel(
+        name="tiny-qwen3-kv4-hd32",
+        config_class=Qwen3Config,
+        config_kwargs={**_TINY_SHAPE, "num_key_value_heads": 4, "head_dim": 32, "tie_word_embeddings": False},
+        description=f"tiny Qwen3 (QK-norm) with 4 KV heads (TP4-valid) and head_dim 32 (vLLM's CPU kernels), "
+                    f"untied lm_head, vocab {TINY_VOCAB_SIZE}",
+    ))
     # Its tied twin (vLLM's CPU tier on a tied model: the catalog's sync-tied-lm-head-stale).
     entries.append(ZooModel(
         name="tiny-qwen3-tied-hd32",

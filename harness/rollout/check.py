@@ -16,11 +16,13 @@ untied from the start: only (b) sees it, a tied engine reports its embedding onc
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
+from harness.parallel import parse_layout
 from harness.report import Row
 from harness.rollout.engine import Sampling
 from harness.rollout.tolerances import sync_tolerance
@@ -28,7 +30,11 @@ from harness.tolerance import CheckResult, Judged
 
 MODEL = "tiny-qwen3"
 BUCKET_BYTES = 16 << 10  # small: the tiny model streams in ~100 buckets, so a skipped one shows
-CONFIG = dict(lr=1e-3, micro_batches=2)
+CONFIG = dict(lr=1e-3, micro_batches=2)  # at least 2 micro-batches: the step accumulates gradients
+STEP_PROMPTS, STEP_RESPONSES = (3, 6, 2, 5), (5, 4, 6, 3)  # token lengths of the step's rows, cycled
+# A model whose KV heads a layout's TP does not divide gets its twin with 4 KV heads (TP4 on 4 GPUs);
+# the report rows name the model that ran.
+TP4_TWINS = {"tiny-qwen3": "tiny-qwen3-kv4", "tiny-qwen3-hd32": "tiny-qwen3-kv4-hd32"}
 SAMPLING = Sampling(n=2, max_tokens=6, temperature=0.8, seed=11)
 LONG_PROMPT = 40  # tokens: whole KV blocks (16 tokens on CUDA) a prefix cache can keep
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -45,6 +51,39 @@ def check_prompts(vocab_size: int) -> list[list[int]]:
     """The sync check's prompts: four short ones and one of LONG_PROMPT tokens (whole KV blocks)."""
     g = torch.Generator().manual_seed(6)
     return prompts(vocab_size) + [torch.randint(1, vocab_size, (LONG_PROMPT,), generator=g).tolist()]
+
+
+def model_for(model: str, layout: str) -> str:
+    """`model`, or its TP4-valid twin where `layout`'s TP does not divide its KV heads."""
+    from harness.models import load_hf_config
+
+    tp = parse_layout(layout).tp
+    if model in TP4_TWINS and load_hf_config(model).num_key_value_heads % tp:
+        return TP4_TWINS[model]
+    return model
+
+
+def step_shape(layout) -> tuple[int, int]:
+    """(micro-batches, rows) of the check's training step at `layout` (a resolved Layout): at least 2
+    micro-batches and 4 rows, as many as the interleaved schedule (a multiple of pp) and every
+    data-parallel rank (rows = a multiple of dp x micro-batches) need."""
+    micro = math.lcm(CONFIG["micro_batches"], layout.micro_batch_multiple)
+    return micro, math.lcm(len(STEP_PROMPTS), layout.dp * micro)
+
+
+def padded_logprobs(policy, batch, temperature: float) -> torch.Tensor:
+    """The trainer's logprobs of `batch`, its rows padded (with copies of the last) to what the layout
+    splits: every data-parallel rank a multiple of the schedule's micro-batches."""
+    from harness.data.rl_batch import RLBatch
+
+    rows = batch.batch_size
+    extra = -rows % (policy.layout.dp * policy.layout.micro_batch_multiple)
+    if extra:
+        def pad(t):
+            return torch.cat([t, t[-1:].expand(extra, *t.shape[1:])])
+
+        batch = RLBatch(pad(batch.input_ids), pad(batch.attention_mask), pad(batch.response_mask), batch.pad_id)
+    return policy.logprobs(batch, temperature=temperature)[:rows]
 
 
 def engine_device(device: str) -> str:
@@ -89,18 +128,21 @@ def sync_check(make_policy: Callable[..., Any], layout: str, dtype: str = "fp32"
     from harness.rollout.sync import engine_weight_diffs, sync_weights
     from harness.training import make_rl_train_batch
 
-    model = model or MODEL
+    model = model_for(model or MODEL, str(layout))
     result = SyncResult(str(layout), dtype, device, variant, model, engine=engine)
-    policy = make_policy(layout, model, **CONFIG, dtype=dtype)
+    micro, _ = step_shape(parse_layout(str(layout)))
+    policy = make_policy(layout, model, **{**CONFIG, "micro_batches": micro}, dtype=dtype)
     try:
         engine = open_engine(engine, model, dtype=DTYPES[dtype], device=engine_device(device), **(engine_options or {}))
         if variant == "sync-tied-lm-head-stale":
             engine.set_lm_head_tied(False)  # vLLM 51665's bug: the tied lm_head loaded as a tensor of its own
         vocab = load_hf_config(model).vocab_size
         engine.generate(check_prompts(vocab), SAMPLING)  # served at the old weights: a prefix cache keeps them
+        _, rows = step_shape(policy.layout)
         for step in range(steps):
-            policy.step(make_rl_train_batch(vocab, batch_size=4, seed=step, prompt_lengths=[3, 6, 2, 5],
-                                            response_lengths=[5, 4, 6, 3]))
+            policy.step(make_rl_train_batch(vocab, batch_size=rows, seed=step,
+                                            prompt_lengths=[STEP_PROMPTS[i % 4] for i in range(rows)],
+                                            response_lengths=[STEP_RESPONSES[i % 4] for i in range(rows)]))
         # colocation: the trainer gives the GPU up while the engine generates; what it syncs comes
         # back from the host (an offload that loses or reorders state shows in (a) and (b))
         policy.offload()
@@ -139,7 +181,7 @@ def _logprob_agreement(result: SyncResult, policy, engine, vocab: int, variant: 
     rollouts = engine.generate(check_prompts(vocab), SAMPLING)
     # vime 64's bug: one side's logprobs before the temperature
     temperature = 1.0 if variant == "logprobs-before-temperature" else SAMPLING.logprob_temperature
-    trainer = policy.logprobs(rollouts.batch, temperature=temperature)
+    trainer = padded_logprobs(policy, rollouts.batch, temperature)
     metrics = compare_logprobs(trainer, rollouts.logprobs, rollouts.batch.response_mask)
     for metric in ("max_abs", "mean_abs", "token_mult_prob_error"):
         result.check(metric, metrics[metric])

@@ -40,7 +40,7 @@ def test_zoo_names():
     expected = {f"{family}{suffix}" for family in FAMILIES for suffix in ("", "-tied")}
     assert set(list_models()) == expected | {"qwen3-0.6b-shape", "tiny-qwen3-kv4", "tiny-qwen3-hd32", "tiny-llama3",
                                                  "tiny-qwen3-moe", "tiny-qwen3-moe-hd32", "tiny-mixtral",
-                                                 "tiny-qwen3-tied-hd32"}
+                                                 "tiny-qwen3-tied-hd32", "tiny-qwen3-kv4-hd32"}
     assert list(ZOO) == list_models() == sorted(list_models())
     for name in list_models():
         assert ZOO[name].tied == (name.removesuffix("-hd32").endswith("-tied") or name == "qwen3-0.6b-shape")
@@ -52,7 +52,7 @@ def test_tiny_shape_exercises_padding_and_layouts(name):
     assert config.vocab_size % 2 and config.vocab_size % 4, "vocab must force Megatron padding"
     for pp in (1, 2, 4):
         assert config.num_hidden_layers % pp == 0
-    kv_heads = 4 if name == "tiny-qwen3-kv4" else 2  # kv4: full multi-head attention, TP4-valid
+    kv_heads = 4 if "-kv4" in name else 2  # kv4: full multi-head attention, TP4-valid
     head_dim = 32 if name.endswith("-hd32") else 16  # hd32: the smallest head vLLM's CPU kernels take
     assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
             config.head_dim, config.intermediate_size, config.max_position_embeddings) == \

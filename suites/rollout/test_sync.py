@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from harness.parallel.layout import LayoutError
 from harness.rollout import HFEngine, sync_weights
 from harness.rollout.check import sync_check
 from harness.variants import VariantError
@@ -17,10 +18,16 @@ def _record(report, result):
                    model=row.model, dtype=row.dtype, device=row.device, **row.extra)
 
 
-@pytest.mark.layouts(cpu=["tp2", "pp2", "dp2"], cuda="all")
+# 4 ranks on the CPU tier nightly: the step's micro-batches and rows, and the TP4-valid model, follow the
+# layout (harness.rollout.check.step_shape, model_for), as on 4 GPUs.
+@pytest.mark.layouts(cpu=["tp2", "pp2", "dp2"] + [pytest.param(name, marks=pytest.mark.nightly)
+                                                  for name in ("dp4", "pp2vpp2dp2", "tp4")], cuda="all")
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_a_synced_engine_equals_the_trained_policy(policy, device, layout, dtype, report):
-    result = sync_check(policy, layout, dtype, device=device)
+    try:
+        result = sync_check(policy, layout, dtype, device=device)
+    except LayoutError as exc:  # e.g. pp4vpp2 (8 virtual stages) on a 4-layer model: not a valid layout
+        pytest.skip(str(exc).replace("\n", " "))
     _record(report, result)
     assert result.passed, result.summary()
     assert result.report.buckets > 10  # small buckets: the stream really is cut
