@@ -17,6 +17,27 @@ load, the broadcast group's setup), then `--repeats` timed full updates
                tensors' (a tied embedding once), buckets how many `update_weights` calls;
   * of_copy  - gbps / the copy's gbps (the issue's goal: >= 0.5; printed, never asserted: a ratio
                from one run); a broadcast on CUDA also gets of_peer_copy.
+Where an update's time goes (`SyncReport`; medians over the timed updates, and per update in `updates`):
+  * export_s            - the driver's calls to the ranks for the buckets, one call per bucket:
+    * export_walk_s     - rank 0 in the bridge's export walk (iter_hf_weights: per tensor its TP gather
+                          and PP broadcast, and the bridge's own per-tensor collectives; every rank walks);
+    * export_copy_s     - rank 0 keeping each tensor: its one copy (host: to the CPU; cuda-ipc/broadcast:
+                          into the bucket's packed buffer), gate/up fused, what a variant holds;
+    * export_pack_s     - rank 0 finishing each bucket: cuda-ipc its stream synchronized (the async copies
+                          complete here) and the IPC handle; broadcast its start (and waiting for the last);
+    * export_round_trip_s - the rest of export_s: the call to every rank and the bucket's way back to the
+                          driver (host: the tensors themselves, pickled through the world's pipes; cuda-ipc,
+                          broadcast: the bucket's layout and handle, a few hundred bytes);
+  * load_s              - the engine taking the buckets (`update_weights`: to its process, its load into
+                          its weights, a synchronize, the prefix cache reset);
+  * load_path           - how the vLLM engine loads (`VLLMEngine(load_path=...)`: "reload" is vLLM's
+                          layerwise reload_weights, "in-place" the model's own load_weights into the live
+                          parameters; default in-place on CUDA where valid), `load_path_reason` why; None
+                          for the HF engine.
+Host-side clocks: on CUDA a kernel is paid where something waits for it (the pack's synchronize, the
+engine's). The goal cannot be met by construction: an update is at least two copies of the bytes (rank 0
+into the packed buffer, the engine from it into its weights), so it takes at least twice the copy's time,
+at most 50% of its GB/s, before any walk, call or load overhead.
 The copy baseline (`copy`): on CUDA a device-to-device `dst.copy_(src)` of one uint8 buffer of the
 same number of bytes on rank 0's GPU, synchronized, one warm-up then the median of max(repeats, 3);
 on CPU the same copy of host tensors (a memcpy). With a broadcast on CUDA, `copy_peer` is the same
@@ -86,7 +107,8 @@ def _unmeasured(device: str, engine: str, world_size: int, transports: list[str]
 
 def check_input(model: str = DEFAULT_MODEL, layout: str | None = DEFAULT_LAYOUT, device: str | None = None,
                 dtype: str = "bf16", engine: str | None = None, transports: str | list[str] | None = None,
-                bucket_mb: float | None = None, repeats: int = 3, out: str | None = None) -> dict[str, Any]:
+                bucket_mb: float | None = None, repeats: int = 3, out: str | None = None,
+                load_path: str | None = None) -> dict[str, Any]:
     """Everything that can be wrong with a `mrh bench sync` request, before any rank or engine starts:
     raises BadInput. Returns the request with its defaults filled in."""
     from harness.rollout.engines import ENGINES
@@ -137,10 +159,20 @@ def check_input(model: str = DEFAULT_MODEL, layout: str | None = DEFAULT_LAYOUT,
     if device == "cuda" and "broadcast" in names and gpu is None:
         raise BadInput(f"transport 'broadcast' on cuda puts the engine on a GPU of its own: layout "
                        f"{request['layout'].name} takes {world_size}, {_gpu_count()} visible")
+    if load_path is not None:
+        from harness.rollout.vllm_engine import check_load_path
+
+        if engine != "vllm":
+            raise BadInput(f"load_path (how an engine loads an update) is the vLLM engine's, not the {engine} engine's")
+        try:
+            check_load_path(load_path, device)
+        except ValueError as exc:
+            raise BadInput(str(exc)) from None
     if engine == "vllm":
         _check_vllm(model, device)
     return {**request, "engine": engine, "transports": names, "engine_gpu": gpu, "bucket_bytes": bucket_bytes,
-            "repeats": repeats, "out": out, "not_measured": _unmeasured(device, engine, world_size, names)}
+            "repeats": repeats, "out": out, "not_measured": _unmeasured(device, engine, world_size, names),
+            "load_path": load_path}
 
 
 def _check_vllm(model: str, device: str) -> None:
@@ -250,7 +282,8 @@ def _open(kind: str, model: str, dtype, device: str, transport: str, options: di
     return VLLMEngine(model, dtype=dtype, device=device, transport=transport, **options)
 
 
-def _vllm_options(policy, model: str, device: str, transport: str, gpu: int | None) -> dict[str, Any]:
+def _vllm_options(policy, model: str, device: str, transport: str, gpu: int | None,
+                  load_path: str | None = None) -> dict[str, Any]:
     """What a vLLM engine needs to start here: a short max_model_len (the bench never generates; the
     0.6B shape's 40960 positions would not fit the engine's 64 MiB KV cache) and, colocated on CUDA, a
     gpu_memory_utilization within what the policy left free on its GPU (vLLM refuses to start when
@@ -260,6 +293,8 @@ def _vllm_options(policy, model: str, device: str, transport: str, gpu: int | No
 
     options: dict[str, Any] = {"max_model_len": min(MAX_MODEL_LEN,
                                                     int(load_hf_config(model).max_position_embeddings))}
+    if load_path is not None:
+        options["load_path"] = load_path
     if device == "cuda" and PLACEMENTS[transport] == "separate":
         options["gpu"] = gpu
     elif device == "cuda":
@@ -283,6 +318,12 @@ def _close(engine) -> None:
             torch.cuda.empty_cache()
 
 
+# The per-update split (JSON key -> SyncReport attribute); the medians go to the transport's figures.
+SPLIT = {"seconds": "seconds", "export_s": "export_seconds", "export_walk_s": "walk_seconds",
+         "export_copy_s": "copy_seconds", "export_pack_s": "pack_seconds",
+         "export_round_trip_s": "round_trip_seconds", "load_s": "load_seconds"}
+
+
 def _measure(policy, engine, bucket_bytes: int, repeats: int, log) -> dict[str, Any]:
     from harness.rollout.sync import sync_weights
 
@@ -295,28 +336,32 @@ def _measure(policy, engine, bucket_bytes: int, repeats: int, log) -> dict[str, 
             raise RuntimeError(f"update {i + 1} moved {report.bytes} bytes in {report.buckets} buckets, the "
                                f"warm-up {warmup.bytes} in {warmup.buckets}")
         reports.append(report)
-        log(f"  update {i + 1}: {report.seconds:.3f}s, {report.gbps:.3f} GB/s (export {report.export_seconds:.3f}s, "
-            f"engine load {report.load_seconds:.3f}s)")
+        log(f"  update {i + 1}: {report.seconds:.3f}s, {report.gbps:.3f} GB/s (export {report.export_seconds:.3f}s: "
+            f"walk {report.walk_seconds:.3f}, copy {report.copy_seconds:.3f}, pack {report.pack_seconds:.3f}, "
+            f"round trips {report.round_trip_seconds:.3f}; engine load {report.load_seconds:.3f}s"
+            + (f", {report.load_path})" if report.load_path else ")"))
     seconds = statistics.median(r.seconds for r in reports)
+    updates = [{key: _sig(getattr(r, attribute)) for key, attribute in SPLIT.items()} for r in reports]
     return {"transport": warmup.transport, "bytes": warmup.bytes, "buckets": warmup.buckets,
             "tensors": warmup.tensors, "max_bucket_bytes": warmup.max_bucket_bytes,
             "seconds": _sig(seconds), "gbps": _sig(warmup.bytes / seconds / 1e9),
             "samples_s": [_sig(r.seconds) for r in reports], "warmup_s": _sig(warmup.seconds),
-            # where the time goes: the ranks' export and packing, the engine's loads (the rest: the driver)
-            "export_s": _sig(statistics.median(r.export_seconds for r in reports)),
-            "load_s": _sig(statistics.median(r.load_seconds for r in reports))}
+            # where the time goes (module docstring): the ranks' export, split, and the engine's loads
+            **{key: _sig(statistics.median(u[key] for u in updates)) for key in SPLIT if key != "seconds"},
+            "updates": updates, "load_path": warmup.load_path}
 
 
 def run(model: str = DEFAULT_MODEL, layout: str | None = DEFAULT_LAYOUT, device: str | None = None,
         dtype: str = "bf16", engine: str | None = None, transports: str | list[str] | None = None,
-        bucket_mb: float | None = None, repeats: int = 3, out: str | None = None, log=print) -> dict[str, Any]:
+        bucket_mb: float | None = None, repeats: int = 3, out: str | None = None, log=print,
+        load_path: str | None = None) -> dict[str, Any]:
     """Measure (module docstring); raises BadInput before anything starts."""
     import torch
 
     from harness.launch import World
     from harness.training.handles import PolicyHandle
 
-    request = check_input(model, layout, device, dtype, engine, transports, bucket_mb, repeats, out)
+    request = check_input(model, layout, device, dtype, engine, transports, bucket_mb, repeats, out, load_path)
     layout_, device, engine = request["layout"], request["device"], request["engine"]
     torch_dtype = getattr(torch, DTYPES[dtype])
     log(f"bench sync: {model} {layout_.name} on {layout_.world_size} {device} ranks, {dtype}, engine {engine}, "
@@ -331,7 +376,7 @@ def run(model: str = DEFAULT_MODEL, layout: str | None = DEFAULT_LAYOUT, device:
             for transport in request["transports"]:
                 measured[transport] = figures = {"placement": PLACEMENTS[transport]}
                 try:
-                    options = (_vllm_options(policy, model, device, transport, request["engine_gpu"])
+                    options = (_vllm_options(policy, model, device, transport, request["engine_gpu"], load_path)
                                if engine == "vllm" else {})
                     figures["engine_options"] = options
                     start = time.perf_counter()
@@ -341,6 +386,8 @@ def run(model: str = DEFAULT_MODEL, layout: str | None = DEFAULT_LAYOUT, device:
                         log(f"  {engine} engine ({transport}, {PLACEMENTS[transport]}) up in "
                             f"{figures['engine_start_s']:.1f}s")
                         engine_versions.update(getattr(live, "versions", {}) or {})
+                        if getattr(live, "load_path_reason", None):
+                            figures["load_path_reason"] = live.load_path_reason
                         figures.update(_measure(policy, live, request["bucket_bytes"], repeats, log))
                     finally:
                         _close(live)
@@ -368,6 +415,7 @@ def run(model: str = DEFAULT_MODEL, layout: str | None = DEFAULT_LAYOUT, device:
         "model": model, "layout": layout_.name, "device": device, "world_size": layout_.world_size,
         "dtype": dtype, "engine": engine, "bucket_bytes": request["bucket_bytes"], "repeats": repeats,
         "bytes": nbytes, "copy": baseline, "copy_gbps": _sig(copy_gbps), "goal_of_copy": GOAL,
+        "load_path_asked": load_path,  # None: each engine's default (VLLMEngine: in-place on CUDA where valid)
     }
     if "peer_samples_s" in copy:
         peer_s = statistics.median(copy["peer_samples_s"])
@@ -412,23 +460,29 @@ def failed(result: dict[str, Any]) -> list[str]:
 
 
 def table(result: dict[str, Any]) -> str:
-    """The figures as a small table (what the JSON line holds, rounded)."""
-    rows = [("transport", "placement", "buckets", "MB", "seconds", "GB/s", "of copy")]
+    """The figures as a small table (what the JSON line holds, rounded): per transport the update, then
+    where its seconds went (the export's walk, copy + pack and round trips; the engine's load)."""
+    rows = [("transport", "placement", "buckets", "MB", "seconds", "GB/s", "of copy", "export", "walk",
+             "copy+pack", "round trips", "load", "load path")]
     for name, f in result["transports"].items():
         if "error" in f:
-            rows.append((name, f["placement"], "-", "-", "-", "-", "failed"))
+            rows.append((name, f["placement"], *["-"] * 4, "failed", *["-"] * 6))
             continue
+        split = (f"{f['export_s']:.3g}", f"{f['export_walk_s']:.3g}", f"{f['export_copy_s'] + f['export_pack_s']:.3g}",
+                 f"{f['export_round_trip_s']:.3g}", f"{f['load_s']:.3g}", f["load_path"] or "-")
         rows.append((name, f["placement"], str(f["buckets"]), f"{f['bytes'] / 1e6:.1f}", f"{f['seconds']:.4g}",
-                     f"{f['gbps']:.4g}", f"{f['of_copy']:.3g}"))
+                     f"{f['gbps']:.4g}", f"{f['of_copy']:.3g}", *split))
     for key in ("copy", "copy_peer"):
         if key in result:
             c = result[key]
             rows.append((f"copy ({c['kind']})", "-", "1", f"{c['bytes'] / 1e6:.1f}", f"{c['seconds']:.4g}",
-                         f"{c['gbps']:.4g}", f"{c['gbps'] / result['copy_gbps']:.3g}"))
+                         f"{c['gbps']:.4g}", f"{c['gbps'] / result['copy_gbps']:.3g}", *["-"] * 6))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
              for row in rows]
-    lines.append(f"goal: >= {result['goal_of_copy']:.0%} of the copy (printed, not asserted)")
+    lines.append("seconds = export (walk + copy+pack + round trips, the ranks) + load (the engine) + the driver's rest")
+    lines.append(f"goal: >= {result['goal_of_copy']:.0%} of the copy (printed, not asserted; two copies, the "
+                 "pack's and the engine's, bound an update at 50%)")
     lines += [f"{name} failed: {result['transports'][name]['error']}" for name in failed(result)]
     lines += list(result["not_measured"].values())
     return "\n".join(lines)
@@ -440,7 +494,7 @@ def main(args) -> int:
 
     try:
         result = run(args.model, args.layout, args.device, args.dtype, args.engine, args.transports,
-                     args.bucket_mb, args.repeats, args.out, log=log)
+                     args.bucket_mb, args.repeats, args.out, log=log, load_path=getattr(args, "load_path", None))
     except BadInput as exc:
         print(f"mrh bench sync: {exc}", file=sys.stderr)
         return 2

@@ -111,7 +111,9 @@ class SyncResult(Judged):
     def rows(self, **fields: Any) -> list[Row]:
         return self.check_rows(self.layout, self.model, **fields, variant=self.variant,
                                **({"engine": self.engine} if self.engine != "hf" else {}),
-                               **({"transport": self.transport} if self.transport not in ("", "host") else {}))
+                               **({"transport": self.transport} if self.transport not in ("", "host") else {}),
+                               **({"load_path": self.report.load_path}
+                                  if self.report is not None and self.report.load_path else {}))
 
     def summary(self) -> str:
         what = f"{self.model} {self.layout} {self.dtype} {self.engine}" + (f" variant={self.variant}" if self.variant else "")

@@ -72,6 +72,12 @@ class SyncReport:
     transport: str = "host"
     export_seconds: float = 0.0  # in the ranks: the bridge's export, packing (and a broadcast's start)
     load_seconds: float = 0.0  # in the engine: taking the buckets (the copies into its weights)
+    # export_seconds split (rank 0's clock; on CUDA host time: an async copy is paid where the pack synchronizes):
+    walk_seconds: float = 0.0  # the bridge's export walk (TP gathers, PP broadcasts: every rank walks together)
+    copy_seconds: float = 0.0  # each tensor kept: its copy out of the bridge's buffer, gate/up fused, variants
+    pack_seconds: float = 0.0  # packing buckets into one buffer (cuda-ipc, broadcast): the copy, the handle, the start
+    round_trip_seconds: float = 0.0  # the rest: one call to every rank per bucket, the bucket's way back to the driver
+    load_path: str | None = None  # the engine's ("reload" | "in-place": harness.rollout.vllm_engine), None for HF
 
     @property
     def gbps(self) -> float:
@@ -94,7 +100,7 @@ def sync_weights(policy, engine, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, va
     transport = getattr(engine, "transport", "host")
     if transport not in TRANSPORTS:
         raise ValueError(f"engine transport must be one of {TRANSPORTS}, got {transport!r}")
-    report = SyncReport(bucket_bytes=bucket_bytes, transport=transport)
+    report = SyncReport(bucket_bytes=bucket_bytes, transport=transport, load_path=getattr(engine, "load_path", None))
     if transport == "broadcast":
         _ensure_group(policy, engine)  # once per (policy, engine): not part of an update's time
     start = time.perf_counter()
@@ -115,8 +121,13 @@ def _stream(policy, engine, variant: str | None, report: SyncReport, progress) -
     done = False
     while not done:
         tick = time.perf_counter()
-        bucket, done = policy.apply(_next)[0]
-        report.export_seconds += time.perf_counter() - tick
+        bucket, done, spent = policy.apply(_next)[0]
+        elapsed = time.perf_counter() - tick
+        report.export_seconds += elapsed
+        report.walk_seconds += spent["walk"]
+        report.copy_seconds += spent["copy"]
+        report.pack_seconds += spent["pack"]
+        report.round_trip_seconds += max(elapsed - sum(spent.values()), 0.0)
         size = bucket_nbytes(bucket)
         names = bucket_names(bucket)
         loaded = bucket
@@ -189,29 +200,36 @@ def _open(worker, bucket_bytes: int, variant: str | None, transport: str = "host
     worker.sync_shared = None  # the buffer of the bucket last shared: kept until the next is asked for
 
 
-def _next(worker) -> tuple[list[tuple[str, torch.Tensor]] | None, bool]:
+def _next(worker) -> tuple[list[tuple[str, torch.Tensor]] | None, bool, dict[str, float]]:
+    """The next bucket (rank 0's; None elsewhere), whether it is the last, and where this rank's time
+    went: {"walk", "copy", "pack"} seconds (SyncReport)."""
     import torch.distributed as dist
 
     stream = getattr(worker, "sync_stream", None)
     if stream is None:
         raise RuntimeError("no weight sync is open on this worker")
+    tick = time.perf_counter()
     _release(worker)  # the engine answered for the last bucket before this call: free its buffer
+    released = time.perf_counter() - tick
     bucket, done = stream.next_bucket()
+    spent = {"walk": stream.spent["walk"], "copy": stream.spent["copy"], "pack": released}
     if done:
         worker.sync_stream = None
     if dist.get_rank() != 0:
-        return None, done
+        return None, done, spent
     transport = getattr(worker, "sync_transport", "host")
+    tick = time.perf_counter()
     if transport == "cuda-ipc" and bucket:
-        from harness.rollout.transfer import pack
+        from harness.rollout.transfer import share
 
-        worker.sync_shared, bucket = pack(bucket)
+        worker.sync_shared, bucket = share(*stream.packed(bucket))
     elif transport == "broadcast" and bucket:
-        from harness.rollout.transfer import broadcast, pack_buffer
+        from harness.rollout.transfer import broadcast
 
-        buffer, bucket = pack_buffer(bucket)
+        buffer, bucket = stream.packed(bucket)
         worker.sync_shared = (buffer, broadcast(worker.sync_group[1], buffer))  # the engine receives it next
-    return bucket, done
+    spent["pack"] += time.perf_counter() - tick
+    return bucket, done, spent
 
 
 def _release(worker) -> None:
@@ -224,7 +242,13 @@ def _release(worker) -> None:
 
 class _Stream:
     """The export as buckets. Every rank runs the same walk (the collectives pair up) and makes
-    the same bucket cuts from the tensors' sizes; only rank 0 keeps copies."""
+    the same bucket cuts from the tensors' sizes; only rank 0 keeps copies.
+
+    One copy per tensor on rank 0. The bridge's tensors are valid until its next item, and the walk
+    advances only once `ready` is empty, so a tensor is copied when it joins a bucket: `host` copies it
+    to the CPU in `_transform`; `cuda-ipc` and `broadcast` copy it straight into the bucket's packed
+    buffer (harness.rollout.transfer.Packer), which is what travels. What a variant holds past its
+    item (one of gate/up, q/k/v awaiting the rest, a tied embedding to compare) gets a copy of its own."""
 
     def __init__(self, models, bucket_bytes: int, variant: str | None, on_device: bool = False) -> None:
         import torch.distributed as dist
@@ -236,13 +260,15 @@ class _Stream:
         self.limit = bucket_bytes
         self.variant = variant
         self.keep = dist.get_rank() == 0
-        self.on_device = on_device  # cuda-ipc: rank 0 keeps its copies on its GPU
+        self.on_device = on_device  # cuda-ipc, broadcast: rank 0 packs each tensor on its device as it comes
+        self.packer = None  # the current bucket's packed buffer (on_device, rank 0)
         self.tp = ps.get_tensor_model_parallel_world_size()
         self.pp = ps.get_pipeline_model_parallel_world_size()
         self.tied = bool(getattr(unwrap_model(models)[0], "share_embeddings_and_output_weights", False))
         self.sent: dict[str, torch.Tensor | None] = {}  # name -> the copy, kept for embeddings only
         self.halves: dict[str, dict[str, torch.Tensor]] = {}  # MLP prefix -> gate/up awaiting its pair
         self.ready: list[tuple[str, torch.Tensor]] = []  # transformed, not yet in a bucket
+        self.spent = {"walk": 0.0, "copy": 0.0}  # the last next_bucket's seconds (SyncReport's split)
         if variant in ("sync-expert-group-split", "sync-experts-misordered", "sync-qkv-not-grouped"):
             from harness.bridge import hf_config
             from harness.bridge.preflight import num_experts
@@ -255,22 +281,52 @@ class _Stream:
             self.qkv: dict[str, dict[str, torch.Tensor]] = {}  # attention prefix -> q/k/v awaiting the rest
 
     def next_bucket(self) -> tuple[list[tuple[str, torch.Tensor]], bool]:
+        """The next bucket and whether it is the last; `spent` then holds this call's seconds in the
+        bridge's walk ("walk") and in keeping its tensors ("copy": _transform and _pack)."""
         bucket, size = [], 0
+        self.spent = {"walk": 0.0, "copy": 0.0}
+        self.packer = None
         while True:
             while not self.ready:
+                tick = time.perf_counter()
                 item = next(self.items, None)
+                walked = time.perf_counter()
+                self.spent["walk"] += walked - tick
                 if item is None:
                     if self.halves:
                         raise RuntimeError(f"gate/up projections without their pair: {sorted(self.halves)}")
                     return self._grouped_export(bucket), True
                 self.ready = self._transform(*item)
+                self.spent["copy"] += time.perf_counter() - walked
             name, tensor = self.ready[0]
             nbytes = tensor.numel() * tensor.element_size()
             if bucket and size + nbytes > self.limit:
                 return self._grouped_export(bucket), False
             self.ready.pop(0)
-            bucket.append((name, tensor))
+            bucket.append((name, self._pack(name, tensor)))
             size += nbytes
+
+    def _pack(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor joining the bucket: on a device transport (rank 0) copied into its packed buffer."""
+        if not (self.keep and self.on_device):
+            return tensor
+        from harness.rollout.transfer import Packer
+
+        tick = time.perf_counter()
+        if self.packer is None:
+            self.packer = Packer(self.limit + (16 << 10))  # room for the 256-byte alignment of ~64 tensors
+        packed = self.packer.add(name, tensor)
+        self.spent["copy"] += time.perf_counter() - tick
+        return packed
+
+    def packed(self, bucket: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, WireBucket]:
+        """The last bucket's packed buffer and the layout of `bucket`'s tensors in it (rank 0, a device
+        transport): no copy."""
+        return self.packer.layout(name for name, _ in bucket)
+
+    def _own(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor held past the bridge's next item: a copy, unless `_transform` already made one."""
+        return tensor.clone(memory_format=torch.contiguous_format) if self.keep and self.on_device else tensor
 
     def _grouped_export(self, bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         """The sync-expert-group-split variant (SkyRL PR 1471's bug): buckets planned over the bridge's
@@ -285,12 +341,13 @@ class _Stream:
 
     @torch.no_grad()
     def _transform(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        # Copy: the bridge yields views into its gather buffers. Ranks other than 0 keep a meta
-        # tensor of the same size (only sizes decide the cuts).
+        # The bridge yields views into its gather buffers: host copies each to the CPU here (one copy,
+        # also from a GPU); cuda-ipc and broadcast copy it into the bucket's buffer (_pack). Ranks other
+        # than 0 keep a meta tensor of the same size (only sizes decide the cuts).
         if self.keep:
             tensor = tensor.detach()
-            tensor = (tensor.clone(memory_format=torch.contiguous_format) if self.on_device
-                      else tensor.to("cpu").clone(memory_format=torch.contiguous_format))
+            if not self.on_device:
+                tensor = tensor.to("cpu", copy=True, memory_format=torch.contiguous_format)
         else:
             tensor = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
         if name in self.sent:  # a tied embedding's second copy (last PP stage): equal, or a bug
@@ -298,7 +355,9 @@ class _Stream:
             if self.keep and first is not None and not torch.equal(first, tensor):
                 raise RuntimeError(f"{name}: the copies on different pipeline stages differ")
             return []
-        self.sent[name] = tensor if name in _EMBEDDINGS else None
+        # kept to compare with a second copy: one comes only for a tied model under PP (iter_hf_weights)
+        compare = name in _EMBEDDINGS and (not self.on_device or (self.tied and self.pp > 1))
+        self.sent[name] = self._own(tensor) if compare else None
         if self.variant == "sync-unsynced-tied-embedding" and self.tied and self.pp > 1 and name in _EMBEDDINGS:
             return []  # the upstream bug: the tied weight is left to "the other stage"
         if self.variant == "sync-swapped-tp-shards" and self.tp > 1 and name.endswith(_COLUMN_PARALLEL):
@@ -331,6 +390,7 @@ class _Stream:
         parts = self.qkv.setdefault(prefix, {})
         parts[which] = tensor
         if len(parts) < 3:
+            parts[which] = self._own(tensor)  # held for the rest
             return []
         del self.qkv[prefix]
         heads, groups, dim = self.qkv_shape
@@ -344,6 +404,7 @@ class _Stream:
         pair = self.halves.setdefault(prefix, {})
         pair[half] = tensor
         if len(pair) < 2:
+            pair[half] = self._own(tensor)  # held for its pair
             return []
         del self.halves[prefix]
         order = ("up_proj", "gate_proj") if self.variant == "sync-swapped-gate-up" else ("gate_proj", "up_proj")

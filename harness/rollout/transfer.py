@@ -4,7 +4,8 @@ Three transports, chosen by the engine (`engine.transport`):
 - `host`: the tensors are copied to the CPU on rank 0 and pickled through the driver to the engine
   (the CPU tier; any engine).
 - `cuda-ipc`: colocated on one GPU, as verl, NeMo-RL and slime hand weights to vLLM. Rank 0 packs the
-  bucket into one flat CUDA buffer (each tensor at a 256-byte aligned offset) and sends a CUDA IPC
+  bucket into one flat CUDA buffer (each tensor at a 256-byte aligned offset, copied in as it joins the
+  bucket: `Packer`, the one copy rank 0 makes) and sends a CUDA IPC
   handle of it (`torch.multiprocessing.reductions.reduce_tensor`), a few hundred bytes, through the
   driver; the engine maps the buffer (`open_shared`), takes views of it, copies them into its own
   weights and synchronizes before it answers. Rank 0 keeps the buffer until the next bucket is asked
@@ -99,34 +100,55 @@ def device_uuid(device: torch.device | int) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
-def pack_buffer(pairs: Iterable[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, WireBucket]:
-    """Copy tensors of one device into one flat uint8 buffer, each at an aligned offset."""
-    pairs = list(pairs)
-    if not pairs:
-        raise ValueError("an empty bucket has nothing to send")
-    device = pairs[0][1].device
-    if any(t.device != device for _, t in pairs):
-        raise ValueError(f"a bucket packs tensors of one device, got {sorted({str(t.device) for _, t in pairs})}")
-    specs, offset = [], 0
-    for name, tensor in pairs:
-        offset = _aligned(offset)
-        specs.append((name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset))
-        offset += tensor_bytes(tensor)
-    buffer = torch.empty(max(offset, 1), dtype=torch.uint8, device=device)
-    for (_, _, _, start), (_, tensor) in zip(specs, pairs):
-        buffer[start:start + tensor_bytes(tensor)].copy_(tensor.contiguous().view(-1).view(torch.uint8))
-    return buffer, WireBucket(specs, offset)
+class Packer:
+    """A bucket packed: tensors of one device copied one at a time into one flat uint8 buffer, each at a
+    256-byte aligned offset (a WireBucket's layout). `add` copies at once, so a tensor valid only until
+    the next one (the bridge's export yields views into its gather buffers) needs no copy of its own
+    before it is packed. The buffer holds `capacity` bytes and grows (one copy of what it holds) if a
+    tensor does not fit."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(int(capacity), 1)
+        self.buffer: torch.Tensor | None = None  # allocated by the first add, on that tensor's device
+        self.specs: list[Spec] = []
+        self.end = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Copy `tensor` in; returns its packed copy (a view of the buffer)."""
+        if self.buffer is None:
+            self.buffer = torch.empty(max(self.capacity, tensor_bytes(tensor), 1), dtype=torch.uint8,
+                                      device=tensor.device)
+        elif tensor.device != self.buffer.device:
+            raise ValueError(f"a bucket packs tensors of one device, got {self.buffer.device} and {tensor.device}")
+        start = _aligned(self.end)
+        end = start + tensor_bytes(tensor)
+        if end > self.buffer.numel():
+            grown = torch.empty(max(end, 2 * self.buffer.numel()), dtype=torch.uint8, device=self.buffer.device)
+            grown[:self.end].copy_(self.buffer[:self.end])
+            self.buffer = grown  # views handed out before stay valid: they keep the old storage
+        packed = self.buffer[start:end].view(tensor.dtype).view(tensor.shape)
+        packed.copy_(tensor)
+        self.specs.append((name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), start))
+        self.end = end
+        return packed
+
+    def layout(self, names: Iterable[str] | None = None) -> tuple[torch.Tensor, WireBucket]:
+        """(the buffer cut to the packed bytes, its WireBucket); `names`: only these tensors' specs (the
+        bytes of the others still travel, as a packed bucket's do when its layout is cut)."""
+        if self.buffer is None:
+            raise ValueError("an empty bucket has nothing to send")
+        keep = None if names is None else set(names)
+        specs = self.specs if keep is None else [spec for spec in self.specs if spec[0] in keep]
+        return self.buffer[:max(self.end, 1)], WireBucket(specs, self.end)
 
 
-def pack(pairs: Iterable[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, SharedBucket]:
-    """Pack CUDA tensors into one buffer shared by CUDA IPC; returns (the buffer, which the caller keeps
-    alive until the consumer has answered, and its SharedBucket)."""
+def share(buffer: torch.Tensor, wire: WireBucket) -> tuple[torch.Tensor, SharedBucket]:
+    """A packed CUDA buffer shared by CUDA IPC; returns (the buffer, which the caller keeps alive until
+    the consumer has answered, and its SharedBucket)."""
     from torch.multiprocessing.reductions import reduce_tensor
 
-    pairs = list(pairs)
-    if pairs and pairs[0][1].device.type != "cuda":
-        raise ValueError(f"cuda-ipc shares CUDA tensors, got {pairs[0][1].device}")
-    buffer, wire = pack_buffer(pairs)
+    if buffer.device.type != "cuda":
+        raise ValueError(f"cuda-ipc shares CUDA tensors, got {buffer.device}")
     torch.cuda.current_stream(buffer.device).synchronize()  # the consumer's process does not wait on our stream
     return buffer, SharedBucket(wire.specs, wire.nbytes, reduce_tensor(buffer), device_uuid(buffer.device))
 

