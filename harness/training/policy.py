@@ -238,7 +238,13 @@ class PolicyWorker:
         dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         tokens_total, seqs_total = loss_counts(train_batch)  # the WHOLE global batch
         local = train_batch.split(dp_size)[dp_rank]
-        micros = split_micro_batches(local.batch, n_micro)  # checks the count divides the rows
+        # Sequence parallelism shards each micro-batch's sequence over the TP ranks: its length must
+        # divide by TP (padded columns are masked; tp4-sp on 4 H100s failed without it, 2026-11-27).
+        from harness.bridge import unwrap_model
+
+        sp = bool(unwrap_model(self.models)[0].config.sequence_parallel)
+        multiple = ps.get_tensor_model_parallel_world_size() if sp else 1
+        micros = split_micro_batches(local.batch, n_micro, length_multiple=multiple)  # checks the count divides the rows
         parts = local.split(n_micro)  # the same rows, with their advantages, old logprobs, ...
         for model in self.models:
             model.zero_grad_buffer()

@@ -254,7 +254,7 @@ def test_either_load_path_syncs_the_engine_to_the_policy(policy, device, layout,
                         engine_options={"load_path": load_path})
     for row in result.rows():
         report.add(row.metric, row.value, tolerance=row.tolerance, passed=row.passed, claim=row.claim,
-                   layout=row.layout, model=row.model, dtype=row.dtype, device=row.device, load_path=load_path,
-                   **row.extra)
+                   layout=row.layout, model=row.model, dtype=row.dtype, device=row.device,
+                   **row.extra)  # the rows name the load path (SyncResult.rows)
     assert result.passed, result.summary()
     assert result.report.load_path == load_path and result.report.buckets > 10

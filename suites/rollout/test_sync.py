@@ -21,7 +21,7 @@ def _record(report, result):
 # 4 ranks on the CPU tier nightly: the step's micro-batches and rows, and the TP4-valid model, follow the
 # layout (harness.rollout.check.step_shape, model_for), as on 4 GPUs.
 @pytest.mark.layouts(cpu=["tp2", "pp2", "dp2"] + [pytest.param(name, marks=pytest.mark.nightly)
-                                                  for name in ("dp4", "pp2vpp2dp2", "tp4")], cuda="all")
+                                                  for name in ("dp4", "pp2vpp2dp2", "tp4", "tp4-sp")], cuda="all")
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_a_synced_engine_equals_the_trained_policy(policy, device, layout, dtype, report):
     try:
