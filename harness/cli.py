@@ -5,7 +5,14 @@ import argparse
 import sys
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Every command's parser; with `command`, only that one's arguments (the others keep their name
+    and help): a command's arguments may import its modules (`mrh parity`'s: torch and
+    transformers, seconds), which `mrh report compare` or `mrh --help` need not wait for."""
+
+    def wanted(name: str) -> bool:
+        return command is None or command == name
+
     parser = argparse.ArgumentParser(prog="mrh", description="megatron-rl-harness command line")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -66,38 +73,43 @@ def _parser() -> argparse.ArgumentParser:
     sync_bench.add_argument("--out", default=None, help="also write the JSON to this file (never overwritten)")
     sync_bench.set_defaults(handler="harness.bench.sync:main")
 
-    from harness.parity.cli import add_arguments as parity_arguments
-
     parity = commands.add_parser("parity", help="HF vs Megatron logprob parity over layouts")
-    parity_arguments(parity)
+    if wanted("parity"):
+        from harness.parity.cli import add_arguments as parity_arguments
+
+        parity_arguments(parity)
     parity.set_defaults(handler="harness.parity.cli:main")
 
-    from harness.report.cli import add_arguments as report_arguments
-
     report = commands.add_parser("report", help="compare runs against a baseline, plot trends, render")
-    report_arguments(report)
-    report.set_defaults(handler="harness.report.cli:main")
+    if wanted("report"):
+        from harness.report.cli import add_arguments as report_arguments
 
-    from harness.variants.cli import add_arguments as repro_arguments
+        report_arguments(report)
+    report.set_defaults(handler="harness.report.cli:main")
 
     repro = commands.add_parser("repro", help="the catalog of wrong variants; reproduce one on the variant "
                                               "and the fixed path (exit 0 reproduced and fixed)")
-    repro_arguments(repro)
-    repro.set_defaults(handler="harness.variants.cli:main")
+    if wanted("repro"):
+        from harness.variants.cli import add_arguments as repro_arguments
 
-    from harness.rl.cli import add_arguments as loop_arguments
+        repro_arguments(repro)
+    repro.set_defaults(handler="harness.variants.cli:main")
 
     loop = commands.add_parser("loop", help="the GRPO loop (engine, rewards, policy steps, weight sync) with "
                                             "per-iteration metrics and a run report with plots")
-    loop_arguments(loop)
+    if wanted("loop"):
+        from harness.rl.cli import add_arguments as loop_arguments
+
+        loop_arguments(loop)
     loop.set_defaults(handler="harness.rl.cli:main")
 
     ckpt = commands.add_parser("ckpt", help="inspect dist checkpoints")
     ckpts = ckpt.add_subparsers(dest="ckpt", required=True)
-    from harness.checkpoint.diff import add_arguments as diff_arguments
-
     diff = ckpts.add_parser("diff", help="full-tensor diff of two checkpoints (exit 0 equal, 1 different, 2 bad input)")
-    diff_arguments(diff)
+    if wanted("ckpt"):
+        from harness.checkpoint.diff import add_arguments as diff_arguments
+
+        diff_arguments(diff)
     diff.set_defaults(handler="harness.checkpoint.diff:main")
     return parser
 
@@ -111,7 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, cpu_arithmetic.ArithmeticPinError) as exc:
         print(f"mrh: {exc}", file=sys.stderr)
         return 2
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # The command is the first word (mrh's own option is -h/--help alone); without one (`mrh`,
+    # `mrh --help`) every command keeps its name and help and none builds its arguments.
+    args = _parser(next((word for word in argv if not word.startswith("-")), "")).parse_args(argv)
     module_name, func_name = args.handler.split(":")
     module = __import__(module_name, fromlist=[func_name])  # import only what the command needs
     return getattr(module, func_name)(args)

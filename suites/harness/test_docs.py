@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import glob
 import importlib
-import json
 import re
 import subprocess
 import sys
@@ -257,27 +256,25 @@ def test_import_line_imports(snippet, statement):
 
 
 # ---------------------------------------------------------------------------------------- commands
-_HELP_WALK = r"""
-import contextlib, io, json, re, sys
-from harness.cli import main
+def _help_walk() -> dict[str, str]:
+    """Every command's and subcommand's --help text, from mrh's parser in this process."""
+    import contextlib
+    import io
 
-def help_of(argv):
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
-        main(argv + ["--help"])
-    return out.getvalue()
+    from harness.cli import main
 
-def choices(text):  # a subparser's names: the positional listed as {a,b,c}
-    group = re.search(r"^  \{([\w,-]+)\}", text, re.M)
-    return group.group(1).split(",") if group else []
+    def help_of(argv):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+            main(argv + ["--help"])
+        return out.getvalue()
 
-texts = {}
-for command in choices(help_of([])):
-    texts[command] = help_of([command])
-    for action in choices(texts[command]):
-        texts[f"{command} {action}"] = help_of([command, action])
-json.dump(texts, sys.stdout)
-"""
+    texts = {}
+    for command in _usage_choices(help_of([])):
+        texts[command] = help_of([command])
+        for action in _usage_choices(texts[command]):
+            texts[f"{command} {action}"] = help_of([command, action])
+    return texts
 
 
 def _usage_choices(text: str) -> list[str]:
@@ -294,9 +291,7 @@ def mrh_help() -> dict[str, str]:
     assert script.exists(), f"no console script {script}: `make setup` installs it"
     top = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert top.returncode == 0, top.stderr
-    walk = subprocess.run([sys.executable, "-c", _HELP_WALK], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert walk.returncode == 0, walk.stderr
-    texts = json.loads(walk.stdout)
+    texts = _help_walk()  # in process: the console script above is mrh's one start of its own
     assert set(_usage_choices(top.stdout)) == {c for c in texts if " " not in c}, "mrh --help and the parser disagree"
     return {"": top.stdout, **texts}
 

@@ -1,5 +1,9 @@
 """The run report as a whole session sees it: rows from every rank and every xdist worker reach one
-results.json with each test's outcome, and a run killed mid-way still leaves a readable report."""
+results.json with each test's outcome, and a run killed mid-way still leaves a readable report.
+
+CI runs the inner session once, under xdist (-n 2), and checks there what the single-process session
+would show too: the rows of the ranks of a worker's world, the test process's, and every outcome (a
+single-process session is what CI's own `make test` is; the inner one without xdist runs nightly)."""
 from __future__ import annotations
 
 import json
@@ -8,6 +12,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 INNER = '''
 import time, pytest
@@ -36,13 +42,8 @@ def _results(report_dir: Path) -> dict:
     return json.loads((runs[0] / "results.json").read_text())
 
 
-def test_rows_from_ranks_and_the_test_reach_results_with_outcomes(pytester):
-    pytester.makepyfile(test_inner=INNER)
-    reports = pytester.path / "reports"
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--mrh-devices=cpu",
-                                           f"--mrh-report-dir={reports}")
-    result.assert_outcomes(passed=2, failed=1)
-    document = _results(reports)
+def _check_rows_and_outcomes(document: dict) -> None:
+    """Each rank's row, the test process's row and every test's outcome, as INNER recorded them."""
     assert document["schema_version"] == 2 and document["meta"]["complete"] is True
     rank_rows = sorted((r for r in document["rows"] if r["metric"] == "rank_value"), key=lambda r: r["extra"]["rank"])
     assert [(r["value"], r["extra"]["rank"], r["outcome"]) for r in rank_rows] == [(10, 0, "passed"), (11, 1, "passed")]
@@ -52,6 +53,16 @@ def test_rows_from_ranks_and_the_test_reach_results_with_outcomes(pytester):
     outcomes = {t["nodeid"].split("::")[1]: t["outcome"] for t in document["tests"]}
     assert outcomes == {"test_rows_from_ranks[cpu]": "passed", "test_row_from_the_test_process": "passed",
                         "test_fails": "failed"}
+
+
+@pytest.mark.nightly  # CI: the xdist session below checks the same (_check_rows_and_outcomes)
+def test_rows_from_ranks_and_the_test_reach_results_with_outcomes(pytester):
+    pytester.makepyfile(test_inner=INNER)
+    reports = pytester.path / "reports"
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--mrh-devices=cpu",
+                                           f"--mrh-report-dir={reports}")
+    result.assert_outcomes(passed=2, failed=1)
+    _check_rows_and_outcomes(_results(reports))
 
 
 def test_xdist_workers_are_merged_into_one_report(pytester):
@@ -65,6 +76,7 @@ def test_xdist_workers_are_merged_into_one_report(pytester):
     assert metrics == ["local_value", "rank_value", "rank_value"]
     assert {t["outcome"] for t in document["tests"]} == {"passed", "failed"} and len(document["tests"]) == 3
     assert all(r["outcome"] == "passed" for r in document["rows"])
+    _check_rows_and_outcomes(document)  # what the single-process session checks, on the merged report
 
 
 def test_a_killed_run_leaves_a_readable_report_with_unfinished_tests(pytester):

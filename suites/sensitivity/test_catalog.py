@@ -69,13 +69,16 @@ def test_a_check_takes_only_its_own_components_variants():
         require("nope", check="checkpoint")
 
 
-def test_repro_lists_the_catalog():
-    done = _mrh("--list", "--json")
-    assert done.returncode == 0, done.stderr
-    listed = json.loads(done.stdout)
+def test_repro_lists_the_catalog(capsys):
+    """In process (`mrh` itself starts in the end-to-end run below): the JSON and the text listing."""
+    from harness.cli import main
+
+    assert main(["repro", "--list", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
     assert [row["id"] for row in listed] == list(CATALOG)
     assert all(row["caught_by"] and row["component"] for row in listed)
-    text = _mrh("--list").stdout
+    assert main(["repro", "--list"]) == 0
+    text = capsys.readouterr().out
     assert "mbridge PR 14" in text and "NeMo-RL PR 1426" in text
 
 
