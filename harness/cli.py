@@ -70,6 +70,9 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
                             help="bucket bound in MiB (default 64, the sync's DEFAULT_BUCKET_BYTES)")
     sync_bench.add_argument("--repeats", type=int, default=3, help="timed updates per transport after a warm-up "
                                                                    "(default 3)")
+    sync_bench.add_argument("--load-path", default=None,
+                            help="how the vLLM engine loads an update: reload or in-place (default: in-place on "
+                                 "cuda where valid, else reload)")
     sync_bench.add_argument("--out", default=None, help="also write the JSON to this file (never overwritten)")
     sync_bench.set_defaults(handler="harness.bench.sync:main")
 

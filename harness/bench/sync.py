@@ -494,7 +494,7 @@ def main(args) -> int:
 
     try:
         result = run(args.model, args.layout, args.device, args.dtype, args.engine, args.transports,
-                     args.bucket_mb, args.repeats, args.out, log=log, load_path=getattr(args, "load_path", None))
+                     args.bucket_mb, args.repeats, args.out, log=log, load_path=args.load_path)
     except BadInput as exc:
         print(f"mrh bench sync: {exc}", file=sys.stderr)
         return 2

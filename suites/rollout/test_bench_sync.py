@@ -98,6 +98,7 @@ def test_a_failing_transport_is_recorded_and_exits_1(monkeypatch, capsys):
     (["--engine", "sglang"], "unknown engine 'sglang'"),
     (["--repeats", "0"], "--repeats must be an integer >= 1"),
     (["--bucket-mb", "0"], "--bucket-mb must be a number > 0"),
+    (["--load-path", "in-place"], "load_path (how an engine loads an update) is the vLLM engine's, not the hf engine's"),
 ])
 def test_bad_input_exits_2_before_anything_starts(monkeypatch, capsys, argv, message):
     from harness.launch import World
