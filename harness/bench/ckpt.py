@@ -111,27 +111,36 @@ def default_layout(device: str) -> str:
     return "dp2" if device == "cpu" or _gpu_count() >= 2 else "tp1"
 
 
-def check_target(model: str, layout: str | None, device: str | None, dtype: str) -> dict[str, Any]:
+def check_target(model: str, layout: str | None, device: str | None, dtype: str,
+                 spec: str = "local") -> dict[str, Any]:
     """What every command that runs a policy checks before any rank starts (the benches, `mrh loop`):
-    the device, the dtype, the model, the layout against the model, the GPUs it needs. Raises
-    BadInput. The checks that need no import come first."""
+    the device, the dtype, the model, the layout against the model and the backend (`spec`: the
+    layer spec its world builds models with; context parallelism needs TE on CUDA, bf16), the GPUs
+    it needs. Raises BadInput. The checks that need no import come first."""
     if device not in (None, "cpu", "cuda"):
         raise BadInput(f"unknown device {device!r}; choose cpu or cuda")
     if dtype not in DTYPES:
         raise BadInput(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     device = device or default_device()
     from harness.models import ModelNotFoundError, load_hf_config
-    from harness.parallel.layout import LayoutError, parse_layout, validate
+    from harness.parallel.layout import LayoutError, check_backend, parse_layout, validate
 
     try:
         config = load_hf_config(model)
     except (ModelNotFoundError, OSError, ValueError) as exc:
         raise BadInput(" ".join(str(exc).split())) from None
+    from harness.bridge.specs import SpecError, for_world
+
+    try:
+        spec = for_world(device, spec)
+    except SpecError as exc:
+        raise BadInput(str(exc)) from None
     text = layout or default_layout(device)
     config.name_or_path = config.name_or_path or model  # a zoo config has none: errors name the model
     try:
         parsed = parse_layout(text)
         validate(parsed, parsed.world_size, config)
+        check_backend(parsed, device, spec, dtype)
     except LayoutError as exc:
         first, *rest = [line.strip(" -") for line in str(exc).splitlines() if line.strip()]
         raise BadInput(f"{first.rstrip(':')}: {'; '.join(rest)}" if rest else first) from None
@@ -139,7 +148,7 @@ def check_target(model: str, layout: str | None, device: str | None, dtype: str)
         gpus = _gpu_count()
         if gpus < parsed.world_size:
             raise BadInput(f"layout {parsed.name} needs {parsed.world_size} GPUs, {gpus} visible")
-    return {"model": model, "layout": parsed, "device": device, "dtype": dtype, "vocab_size": int(config.vocab_size)}
+    return {"model": model, "layout": parsed, "device": device, "dtype": dtype, "spec": spec, "vocab_size": int(config.vocab_size)}
 
 
 def check_input(model: str, layout: str | None, device: str | None, dtype: str, saves: int,

@@ -1,6 +1,6 @@
 """Megatron-side per-token logprobs: forward-only through the pipeline schedules.
 
-Rank-side. Runs under any layout (TP/PP/VPP/DP/SP) with several micro-batches, the way an RL
+Rank-side. Runs under any layout (TP/PP/VPP/CP/DP/SP) with several micro-batches, the way an RL
 framework computes old/reference logprobs. How a micro-batch is fed (left padding removed, or
 packed) is `harness.logprobs.micro_batches`; the schedule run is `harness.logprobs.schedule`,
 shared with the policy's training step.
@@ -13,9 +13,12 @@ from dataclasses import dataclass
 import torch
 
 from harness.data.rl_batch import RLBatch
-from harness.logprobs.micro_batches import shift_to_tokens, split_micro_batches
-from harness.logprobs.schedule import run_schedule, token_logprobs
-from harness.logprobs.vocab_parallel import vocab_parallel_top1
+from harness.logprobs.context_parallel import length_multiple as cp_length_multiple, slot_multiple
+from harness.logprobs.micro_batches import split_micro_batches
+from harness.logprobs.schedule import run_schedule, token_logprobs, token_top1
+
+# What context parallelism can feed: causal rows (right padding) or THD slots; never a mask.
+CP_PACKINGS = ("right", "thd")
 
 @dataclass
 class RankLogprobs:
@@ -26,6 +29,7 @@ class RankLogprobs:
     last_stage: bool
     logprobs: torch.Tensor | None  # [B/DP, S] float32, the project's logprob convention
     top1: torch.Tensor | None  # [B/DP, S] int64, prediction for token t (made at t-1); -1 undefined
+    cp_rank: int = 0  # every CP rank holds the gathered values; CP rank 0's are reported
 
 
 def _true_vocab(models: list[torch.nn.Module]) -> int:
@@ -42,6 +46,7 @@ def megatron_logprobs(
     packing: str = "right",
     length_multiple: int = 1,
     temperature: float = 1.0,
+    variant: str | None = None,
 ) -> RankLogprobs:
     """Logprobs of this rank's data-parallel share of `batch` (the global batch, same on all ranks).
 
@@ -54,6 +59,9 @@ def megatron_logprobs(
     GEMMs need rows in multiples of 16: harness.parity.fp8); right pads change no real token's logprob.
     `temperature`: the logits are divided by it first, as a rollout engine samples (the logprob of a
     sampled token under the distribution it was sampled from).
+    `variant`: a context-parallel variant of the catalog (`harness.logprobs.schedule.token_logprobs`).
+    Under context parallelism ("right" and "thd" packing only) every CP rank returns the whole
+    sequences' logprobs.
     """
     from megatron.core import parallel_state as ps
 
@@ -66,9 +74,15 @@ def megatron_logprobs(
                          "spec (the local spec packs with a block-diagonal mask: 'packed')")
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     local = batch.split(dp_size)[dp_rank]
-    # Sequence parallelism shards the sequence over TP ranks: lengths must divide by TP.
-    multiple = math.lcm(ps.get_tensor_model_parallel_world_size(), length_multiple)
-    micros = split_micro_batches(local, micro_batches, packing, multiple)
+    cp = ps.get_context_parallel_world_size()
+    if cp > 1 and packing not in CP_PACKINGS:
+        raise ValueError(f"packing {packing!r} under context parallelism: CP runs {CP_PACKINGS} (Transformer "
+                         "Engine's attention splits causal or THD sequences, not an arbitrary mask)")
+    # Sequence parallelism shards the sequence over TP ranks: lengths must divide by TP; context
+    # parallelism splits every sequence (every thd slot) into 2 x cp chunks.
+    tp = ps.get_tensor_model_parallel_world_size()
+    multiple = math.lcm(tp, cp_length_multiple(cp, tp, True), length_multiple)
+    micros = split_micro_batches(local, micro_batches, packing, multiple, slot_multiple=slot_multiple(cp))
     true_vocab = _true_vocab(models)
     logprob_parts: dict[int, torch.Tensor] = {}
     top1_parts: dict[int, torch.Tensor] = {}
@@ -77,16 +91,16 @@ def megatron_logprobs(
         def collect(logits: torch.Tensor):
             if temperature != 1.0:
                 logits = logits / temperature
-            logprob_parts[index] = token_logprobs(logits, tokens, micro, true_vocab)
-            top1 = vocab_parallel_top1(logits[:, :-1], true_vocab)
-            top1_parts[index] = micro.unmap(shift_to_tokens(top1.cpu(), -1))
+            logprob_parts[index] = token_logprobs(logits, tokens, micro, true_vocab, variant)
+            top1_parts[index] = token_top1(logits, micro, true_vocab)
             return torch.zeros((), device=logits.device), {}
 
         return collect
 
     run_schedule(models, micros, loss_for, forward_only=True)
     last = ps.is_pipeline_last_stage(ignore_virtual=True)
-    result = RankLogprobs(dp_rank, ps.get_tensor_model_parallel_rank(), last, None, None)
+    result = RankLogprobs(dp_rank, ps.get_tensor_model_parallel_rank(), last, None, None,
+                          cp_rank=ps.get_context_parallel_rank())
     if last:
         order = range(len(micros))
         valid = local.logprob_mask()
@@ -99,7 +113,8 @@ def megatron_logprobs(
 
 def assemble(results: list[RankLogprobs]) -> tuple[torch.Tensor, torch.Tensor]:
     """The global [B, S] logprobs and top-1 from every rank's results (parent-side)."""
-    reporting = sorted((r for r in results if r.last_stage and r.tp_rank == 0), key=lambda r: r.dp_rank)
+    reporting = sorted((r for r in results if r.last_stage and r.tp_rank == 0 and r.cp_rank == 0),
+                       key=lambda r: r.dp_rank)
     if not reporting or any(r.logprobs is None for r in reporting):
         raise RuntimeError("no last-stage tensor-parallel rank 0 reported logprobs")
     return torch.cat([r.logprobs for r in reporting]), torch.cat([r.top1 for r in reporting])

@@ -30,6 +30,12 @@ class MicroBatch:
     cu_seqlens: torch.Tensor | None = None  # thd: int32 sequence boundaries of the one packed row
     max_seqlen: int = 0  # thd: the longest sequence
 
+    def cp_positions(self, cp: int, rank: int) -> torch.Tensor:
+        """The columns CP rank `rank` of `cp` is fed (harness.logprobs.context_parallel)."""
+        from harness.logprobs.context_parallel import rank_positions
+
+        return rank_positions(self.tokens.shape[1], self.cu_seqlens, cp, rank)
+
 
 def shift_to_tokens(per_position: torch.Tensor, fill: float | int) -> torch.Tensor:
     """[b, s-1] values computed at position t for token t+1 -> [b, s] aligned with the tokens
@@ -66,11 +72,13 @@ def packed(rows: RLBatch, length: int) -> MicroBatch:
                       lambda values: unpack(values[:, : packed_rows.total_tokens], packed_rows, rows))
 
 
-def thd(rows: RLBatch, length: int) -> MicroBatch:
+def thd(rows: RLBatch, length: int, slot_multiple: int = 1) -> MicroBatch:
     """`packed`'s row fed the way verl and NeMo-RL feed Transformer Engine (remove-padding): no mask,
     the sequence boundaries as cu_seqlens through TE's attention (qkv_format "thd"); Megatron's RoPE
-    restarts the positions at every boundary. The tail padding is a sequence of its own."""
-    packed_rows = pack(rows)
+    restarts the positions at every boundary. The tail padding is a sequence of its own. Each
+    sequence's slot is padded (after its tokens) to a multiple of `slot_multiple` (context parallelism
+    splits every sequence into 2 x cp chunks)."""
+    packed_rows = pack(rows, slot_multiple)
     pad = length - packed_rows.total_tokens
     tokens = F.pad(packed_rows.input_ids, (0, pad), value=rows.pad_id)
     cu = packed_rows.cu_seqlens.to(torch.int32)
@@ -92,8 +100,10 @@ def pad_columns(micro: MicroBatch, multiple: int) -> MicroBatch:
 
 
 def split_micro_batches(local: RLBatch, count: int, packing: str = "right",
-                        length_multiple: int = 1) -> list[MicroBatch]:
-    """`local` (one data-parallel rank's rows) as `count` micro-batches fed the `packing` way."""
+                        length_multiple: int = 1, slot_multiple: int = 1) -> list[MicroBatch]:
+    """`local` (one data-parallel rank's rows) as `count` micro-batches fed the `packing` way.
+    `length_multiple`: every micro-batch's length divides by it; `slot_multiple`: with "thd" every
+    sequence's slot does too (context parallelism: `harness.logprobs.context_parallel.length_multiple`)."""
     if packing not in PACKINGS:
         raise ValueError(f"packing must be one of {PACKINGS}, got {packing!r}")
     if count < 1 or local.batch_size % count:
@@ -104,6 +114,9 @@ def split_micro_batches(local: RLBatch, count: int, packing: str = "right",
         micros = [(right_padded if packing == "right" else as_is)(p) for p in parts]
         return [pad_columns(m, length_multiple) for m in micros]
     # Pipeline stages exchange fixed-shape activations: every packed row gets the same length.
-    longest = max(int(p.lengths.sum()) for p in parts)
+    slot = slot_multiple if packing == "thd" else 1
+    longest = max(int((-(-p.lengths // slot) * slot).sum()) for p in parts)
     length = -(-longest // length_multiple) * length_multiple
-    return [(thd if packing == "thd" else packed)(p, length) for p in parts]
+    if packing == "thd":
+        return [thd(p, length, slot) for p in parts]
+    return [packed(p, length) for p in parts]

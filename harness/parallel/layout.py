@@ -319,6 +319,29 @@ def resolve(layout: Layout, world_size: int) -> Layout:
     return layout
 
 
+# ------------------------------------------------------------------- backends
+
+# Why context parallelism needs Transformer Engine on CUDA: megatron-core's attention for CP is
+# TEDotProductAttention only ("Context parallelism is only supported by TEDotProductAttention"),
+# and of TE's backends only its fused (cuDNN) and flash attention split a sequence over ranks.
+CP_BACKEND = ("context parallelism runs on CUDA with Transformer Engine's layer spec only (megatron-core's "
+              "attention for CP is TEDotProductAttention; the CPU tier and the local spec have none)")
+# TE's fused and flash attention compute in fp16/bf16; its unfused (fp32) attention has no CP.
+CP_FP32 = ("context parallelism has no fp32 attention: Transformer Engine's fused and flash attention are "
+           "fp16/bf16 only and its unfused attention does not split a sequence; run bf16")
+
+
+def check_backend(layout: Layout, device: str, spec: str, dtype: str | None = None) -> None:
+    """Raise LayoutError where `layout` cannot run on (device, layer spec[, dtype]): before any rank
+    starts, one line (the CLIs exit 2 on it)."""
+    if layout.cp == 1:
+        return
+    if device != "cuda" or spec != "te":
+        raise LayoutError(f"layout {layout.name} on {device} with the {spec} spec: {CP_BACKEND}")
+    if dtype == "fp32":
+        raise LayoutError(f"layout {layout.name} in fp32: {CP_FP32}")
+
+
 # ----------------------------------------------------------------------- validation
 
 def _model_attr(model: Any, *names: str) -> Optional[int]:

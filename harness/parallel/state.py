@@ -110,6 +110,9 @@ def run_in_layout(world, layout: Layout | str, fn: Callable[..., Any], *args: An
 
         model = check_model_supported(model)  # refuse what the bridge would not convert; its config
     validate(resolved, world.size, model)
+    from harness.parallel.layout import check_backend
+
+    check_backend(resolved, world.device, getattr(world, "spec", "local"))  # CP: TE on CUDA only
     call = functools.partial(_call_in_layout, resolved, seed, fn, args, kwargs)
     call.mrh_name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)} under {resolved}"
     return world.run(call, timeout=timeout)

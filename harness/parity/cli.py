@@ -12,7 +12,7 @@ import time
 from harness.bridge import specs
 from harness.bridge.norms import resolve_norm_precision
 from harness.launch import WorldPool
-from harness.parallel.layout import LayoutError, parse_layout_list, resolve, validate
+from harness.parallel.layout import LayoutError, check_backend, parse_layout_list, resolve, validate
 from harness.parity.runner import DTYPES, REFERENCES, ParityCase, prepare_model, run_parity
 from harness.parity.variants import check_variant
 from harness.variants import VariantError, get
@@ -32,6 +32,11 @@ def add_arguments(parser) -> None:
                              "'plain' is HF's eager forward as is (approximate regime)")
     parser.add_argument("--norm-precision", choices=("auto", "hf", "fused"), default="auto",
                         help="Megatron RMSNorm rounding (local spec): 'hf' (auto) or torch's 'fused'")
+    parser.add_argument("--packing", choices=("right", "thd"), default="right",
+                        help="how a micro-batch is fed: left padding removed ('right', default) or packed THD "
+                             "sequences with cu_seqlens (TE spec)")
+    parser.add_argument("--cp-comm-type", choices=("p2p", "a2a", "allgather"), default=None,
+                        help="context parallelism's exchange (megatron-core's cp_comm_type; default p2p); cp layouts only")
     parser.add_argument("--cache-dir", default=None, help="where zoo models are materialized")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per layout before stacks are dumped")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
@@ -52,6 +57,10 @@ def _preflight(args) -> list:
     if args.spec == "te" and not specs.installed():
         raise ValueError("--spec te needs Transformer Engine: `transformer_engine` is not installed")
     resolve_norm_precision(args.norm_precision, args.spec)
+    if args.packing == "thd" and args.spec != "te":
+        raise ValueError("--packing thd feeds cu_seqlens to Transformer Engine's attention: it needs --spec te")
+    if args.cp_comm_type and not any(layout.cp > 1 for layout in layouts):
+        raise ValueError(f"--cp-comm-type {args.cp_comm_type} needs a context-parallel layout (cp2, ...)")
     if args.variant and args.device not in get(args.variant).devices:
         raise VariantError(f"variant {args.variant!r} shows on {', '.join(get(args.variant).devices)} only, "
                            f"not {args.device}")
@@ -60,6 +69,7 @@ def _preflight(args) -> list:
         size = layout.world_size
         layout = resolve(layout, size)
         validate(layout, size, config)
+        check_backend(layout, args.device, args.spec, args.dtype)  # e.g. CP: TE on CUDA, bf16
         check_variant(args.variant, layout, config)
         resolved.append(layout)
     return resolved
@@ -80,8 +90,9 @@ def main(args) -> int:
             start = time.perf_counter()
             world = pool.get(layout.world_size, args.device, args.spec,
                              env=dict(get(args.variant).world_env) if args.variant else None)
-            case = ParityCase(args.model, layout, args.dtype, args.variant,
-                              norm_precision=args.norm_precision, reference=args.reference)
+            case = ParityCase(args.model, layout, args.dtype, args.variant, packing=args.packing,
+                              norm_precision=args.norm_precision, reference=args.reference,
+                              cp_comm_type=args.cp_comm_type if layout.cp > 1 else None)
             result = run_parity(world, case,
                                 cache_dir=args.cache_dir, suite="parity", test="mrh parity")
             results.append(result)

@@ -19,8 +19,10 @@ routes (its configuration, not its state: `harness.parity.variants.ROUTING`) is 
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,12 +32,13 @@ import torch
 from harness.data.rl_batch import RLBatch, standard_parity_batch
 from harness.bridge.norms import resolve_norm_precision
 from harness.bridge.specs import resolve as resolve_spec
-from harness.parallel.layout import Layout, parse_layout, resolve, validate
+from harness.logprobs.megatron import CP_PACKINGS
+from harness.parallel.layout import Layout, LayoutError, check_backend, parse_layout, resolve, validate
 from harness.parallel.state import run_in_layout
 from harness.parity.metrics import compare_logprobs, top1_agreement
 from harness.parity.tolerances import CheckResult, check, regime
 from harness.tolerance import separation
-from harness.parity.variants import FORCED_PACKING, ROUTING, apply_variant, check_variant
+from harness.parity.variants import FEEDING, FORCED_PACKING, ROUTING, apply_variant, check_variant
 from harness.report import Row
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -55,9 +58,12 @@ class ParityCase:
     fp32_eval: bool | None = None  # also evaluate the bf16 model's state in fp32 (module docstring);
     # None: where the bf16 arithmetic is in the approximate regime
     dispatcher: str | None = None  # a MoE model's token dispatcher (harness.bridge.load.DISPATCHERS); None: the bridge's
+    cp_comm_type: str | None = None  # context parallelism's exchange (CP_COMM_TYPES); None: megatron-core's (p2p)
 
 
 REFERENCES = ("arranged", "plain")
+# megatron-core's TransformerConfig.cp_comm_type values ("a2a+p2p" needs cp >= 4: hierarchical groups).
+CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
 
 
 @dataclass
@@ -134,29 +140,37 @@ def _hf_reference(path: str, dtype: torch.dtype, batch: RLBatch, arranged_tp: in
 
 def _rank_parity(layout: Layout, path: str, dtype: torch.dtype, batch: RLBatch, micro_batches: int,
                  variant: str | None, packing: str, norm_precision: str, want_hf: bool,
-                 arranged: tuple[int, int] | None, fp32_eval: bool, dispatcher: str | None = None):
+                 arranged: tuple[int, int] | None, fp32_eval: bool, dispatcher: str | None = None,
+                 cp_comm_type: str | None = None):
     import torch.distributed as dist
 
     from harness.bridge import load_megatron_model
     from harness.logprobs.megatron import megatron_logprobs
 
-    overrides = {"moe_token_dispatcher_type": dispatcher} if dispatcher else None
+    overrides = {**({"moe_token_dispatcher_type": dispatcher} if dispatcher else {}),
+                 **({"cp_comm_type": cp_comm_type} if cp_comm_type else {})} or None
     models = load_megatron_model(path, dtype=dtype, sequence_parallel=layout.sequence_parallel,
                                  norm_precision=norm_precision, config_overrides=overrides)
     apply_variant(variant, models)
+    feeding = variant if variant in FEEDING else None
     with torch.no_grad():
-        result = megatron_logprobs(models, batch, micro_batches=micro_batches, packing=packing)
+        result = megatron_logprobs(models, batch, micro_batches=micro_batches, packing=packing, variant=feeding)
     evaluated = None
     if fp32_eval:
-        shadow = load_megatron_model(path, dtype=torch.float32, sequence_parallel=layout.sequence_parallel,
-                                     norm_precision=norm_precision, config_overrides=overrides)
-        if variant in ROUTING:  # what the code does to the bf16 model it does to this one (module docstring)
-            apply_variant(variant, shadow)
-        copy_state(models, shadow)
-        del models
-        with torch.no_grad():
-            evaluated = megatron_logprobs(shadow, batch, micro_batches=micro_batches, packing=packing)
-        del shadow
+        # TE has no fp32 attention under context parallelism: the fp32 evaluation runs the same
+        # state with CP folded into DP (CP ranks hold whole, identical weights, like DP ranks).
+        with _folded(layout):
+            shadow = load_megatron_model(path, dtype=torch.float32, sequence_parallel=layout.sequence_parallel,
+                                         norm_precision=norm_precision,
+                                         config_overrides={"moe_token_dispatcher_type": dispatcher} if dispatcher else None)
+            if variant in ROUTING:  # what the code does to the bf16 model it does to this one (module docstring)
+                apply_variant(variant, shadow)
+            copy_state(models, shadow)
+            del models
+            with torch.no_grad():
+                evaluated = megatron_logprobs(shadow, batch, micro_batches=micro_batches, packing=packing,
+                                              variant=feeding)
+            del shadow
     else:
         del models
     want_hf = want_hf and dist.get_rank() == 0
@@ -167,6 +181,27 @@ def _rank_parity(layout: Layout, path: str, dtype: torch.dtype, batch: RLBatch, 
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
     return result, hf, evaluated, hf_fp32
+
+
+def fp32_layout(layout: Layout) -> Layout:
+    """Where a layout's fp32 evaluation runs: the layout itself, or with CP folded into DP
+    (Transformer Engine has no fp32 attention backend under context parallelism: its fused
+    attention is fp16/bf16 only and its unfused one does not support CP)."""
+    if layout.cp == 1:
+        return layout
+    return dataclasses.replace(layout, cp=1, dp=layout.dp * layout.cp)
+
+
+@contextmanager
+def _folded(layout: Layout):
+    """Megatron's parallel state for `fp32_layout(layout)` (rank-side; every rank at once)."""
+    if layout.cp == 1:
+        yield
+        return
+    from harness.parallel.state import model_parallel
+
+    with model_parallel(fp32_layout(layout), seed=None):
+        yield
 
 
 def copy_state(source: list[torch.nn.Module], target: list[torch.nn.Module]) -> None:
@@ -223,6 +258,18 @@ def run_parity(world, case: ParityCase, *, device: str | None = None, batch: RLB
     layout = resolve(layout, world.size)
     path, config = prepare_model(case.model, cache_dir)
     validate(layout, world.size, config)
+    spec = resolve_spec(world.spec)  # the world's ranks build the model on it
+    check_backend(layout, device, spec, case.dtype)
+    if layout.cp > 1 and case.packing not in CP_PACKINGS:
+        raise LayoutError(f"layout {layout.name} with packing {case.packing!r}: context parallelism feeds "
+                          f"{', '.join(CP_PACKINGS)} (TE's attention splits causal rows or THD slots, not a mask)")
+    if case.cp_comm_type is not None:
+        if layout.cp == 1:
+            raise ValueError(f"cp_comm_type {case.cp_comm_type!r} needs a context-parallel layout, got {layout.name}")
+        if case.cp_comm_type not in CP_COMM_TYPES[:3]:
+            raise ValueError(f"cp_comm_type must be one of {CP_COMM_TYPES[:3]}, got {case.cp_comm_type!r}"
+                             + (" (a2a+p2p needs hierarchical CP groups, which the harness's layouts do not make)"
+                                if case.cp_comm_type == "a2a+p2p" else ""))
     from harness.bridge.preflight import num_experts
 
     if case.dispatcher is not None and not num_experts(config):
@@ -232,7 +279,6 @@ def run_parity(world, case: ParityCase, *, device: str | None = None, batch: RLB
     batch.validate(config.vocab_size)
     micro = _micro_batches(case, layout, batch.batch_size // layout.dp)
 
-    spec = resolve_spec(world.spec)  # the world's ranks build the model on it
     norm_precision = resolve_norm_precision(case.norm_precision, spec)
     packing = FORCED_PACKING.get(case.variant, case.packing)
     arithmetic = regime(layout, reference=case.reference, spec=spec, norm_precision=norm_precision, packing=packing,
@@ -246,12 +292,14 @@ def run_parity(world, case: ParityCase, *, device: str | None = None, batch: RLB
     fp32_eval = case.fp32_eval if case.fp32_eval is not None else (case.dtype == "bf16" and arithmetic != "exact")
     if fp32_eval and case.dtype != "bf16":
         raise ValueError("fp32_eval evaluates a bf16 model's state in fp32: the case must be bf16")
+    if fp32_eval:  # at CP it runs with CP folded into DP (fp32_layout): its micro-batches must split too
+        _micro_batches(case, fp32_layout(layout), batch.batch_size // fp32_layout(layout).dp)
     key = (str(path), case.dtype, device, _batch_key(batch), arranged)
     cached = (hf_cache or {}).get(key), (hf_cache or {}).get(key + ("fp32",)) if fp32_eval else None
     want_hf = cached[0] is None or (fp32_eval and cached[1] is None)
     results = run_in_layout(
         world, layout, _rank_parity, str(path), DTYPES[case.dtype], batch, micro, case.variant,
-        packing, norm_precision, want_hf, arranged, fp32_eval, case.dispatcher,
+        packing, norm_precision, want_hf, arranged, fp32_eval, case.dispatcher, case.cp_comm_type,
     )
     from harness.logprobs.megatron import assemble
 

@@ -228,7 +228,13 @@ IMPLEMENTED: dict[str, Callable] = {
     "unmasked-padding": lambda models: None,  # acts on the input, see FORCED_PACKING
     "tf32-in-fp32": lambda models: _require_tf32(),  # acts on the world (Variant.world_env)
     "dropped-rope-scaling": _drop_rope_scaling,
+    # Context parallelism: how the logprobs are fed and gathered, not the weights
+    # (harness.logprobs.context_parallel; `FEEDING`).
+    "cp-labels-rolled-after-split": lambda models: None,
+    "cp-chunks-contiguous": lambda models: None,
 }
+# Variants in the logprob path itself (handed to harness.logprobs.megatron.megatron_logprobs).
+FEEDING = frozenset({"cp-labels-rolled-after-split", "cp-chunks-contiguous"})
 
 
 def _require_tf32() -> None:

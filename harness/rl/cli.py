@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", default=None, help="default dp2 on cpu; cuda: dp2 with 2+ GPUs, else tp1")
     parser.add_argument("--device", default=None, help="cpu or cuda (default cuda if available, else cpu)")
     parser.add_argument("--dtype", default="fp32", help="fp32 or bf16 (default fp32)")
+    parser.add_argument("--spec", choices=("local", "te"), default="local",
+                        help="the trainer's layer spec: Megatron's local modules (default) or Transformer "
+                             "Engine's (cuda only; context-parallel layouts need it)")
     parser.add_argument("--iterations", type=int, default=8, help="GRPO iterations (default 8)")
     parser.add_argument("--group-size", type=int, default=4, help="completions per prompt (default 4)")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per iteration (default 4)")
@@ -75,7 +78,7 @@ def main(args: argparse.Namespace) -> int:
     from harness.rl.loop import LoopConfig
 
     try:
-        checked = check_target(args.model, args.layout, args.device, args.dtype)
+        checked = check_target(args.model, args.layout, args.device, args.dtype, args.spec)
         config = LoopConfig(iterations=args.iterations, group_size=args.group_size, prompts_per_step=args.prompts,
                             max_tokens=args.max_tokens, lr=args.lr, kl_coef=args.kl_coef, dtype=args.dtype,
                             colocate=args.colocate, mixed=args.mixed, seed=args.seed, engine=args.engine,
@@ -193,7 +196,7 @@ def _iterate(checked: dict[str, Any], config, rank_log: TextIO) -> list:
                       + (f"routing_agreement {h.routing_agreement:.4f}  " if h.routing_agreement is not None else "")
                       + "  ".join(f"{k} {v:.2f}s" for k, v in h.seconds.items()), file=sys.stdout)
 
-        with RLLoop(pool.get(layout.world_size, device), layout, checked["model"], config,
+        with RLLoop(pool.get(layout.world_size, device, checked["spec"]), layout, checked["model"], config,
                     progress=progress) as loop:
             history = loop.run()
         bar.close()

@@ -28,6 +28,7 @@ import torch
 
 from harness.models import load_hf_config, resolve_model
 from harness.parallel.layout import Layout, resolve
+from harness.parallel.layout import check_backend
 from harness.parallel.state import DEFAULT_SEED, as_layout, run_in_layout
 from harness.variants import require
 
@@ -191,6 +192,7 @@ class PolicyHandle(_Handle):
         self.layout.check_micro_batches(config.get("micro_batches", 1), "micro_batches")
         if config.get("dtype", "fp32") not in ("fp32", "bf16"):
             raise ValueError(f"unknown policy dtype {config['dtype']!r}; choose from ['bf16', 'fp32']")
+        check_backend(self.layout, world.device, world.spec, config.get("dtype", "fp32"))  # CP: TE, bf16
         if config.get("batch_invariant"):
             from harness.backends.batch_invariant import check
 

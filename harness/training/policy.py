@@ -68,7 +68,9 @@ class PolicyConfig:
 
 # The training variants of the catalog (harness.variants) this worker implements.
 IMPLEMENTED = ("no-finalize-grads", "grad-times-microbatches", "grad-norm-without-experts",
-               "expert-grads-over-dp")
+               "expert-grads-over-dp", "cp-grads-summed-over-cp", "cp-metrics-summed")
+# The context-parallel ones the logprob path implements (harness.logprobs.context_parallel).
+CP_VARIANTS = ("cp-grads-summed-over-cp",)
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -242,8 +244,12 @@ class PolicyWorker:
         # divide by TP (padded columns are masked; tp4-sp on 4 H100s failed without it, 2026-11-27).
         from harness.bridge import unwrap_model
 
+        # Context parallelism splits each micro-batch's sequence into 2 x cp chunks (and each CP
+        # rank's share over TP under SP): harness.logprobs.context_parallel.
+        from harness.logprobs.context_parallel import length_multiple
+
         sp = bool(unwrap_model(self.models)[0].config.sequence_parallel)
-        multiple = ps.get_tensor_model_parallel_world_size() if sp else 1
+        multiple = length_multiple(ps.get_context_parallel_world_size(), ps.get_tensor_model_parallel_world_size(), sp)
         micros = split_micro_batches(local.batch, n_micro, length_multiple=multiple)  # checks the count divides the rows
         parts = local.split(n_micro)  # the same rows, with their advantages, old logprobs, ...
         for model in self.models:
@@ -266,11 +272,13 @@ class PolicyWorker:
         if self.config.variant == "grad-times-microbatches":
             scale *= len(indices)
 
+        cp_variant = self.config.variant if self.config.variant in CP_VARIANTS else None
+
         def loss_for(local_index, micro, tokens):
             index = indices[local_index]
 
             def loss_func(logits: torch.Tensor):
-                logprobs = token_logprobs(logits, tokens, micro, self.true_vocab)
+                logprobs = token_logprobs(logits, tokens, micro, self.true_vocab, cp_variant)
                 loss, _ = rl_loss(logprobs, pending.parts[index], global_token_count=pending.tokens_total,
                                   global_seq_count=pending.seqs_total, **self.config.loss_kwargs)
                 pending.losses[index] = loss.detach()
@@ -306,7 +314,10 @@ class PolicyWorker:
         value = torch.zeros((), dtype=torch.float64, device=device)
         if last:
             value += sum(float(local_losses[i]) for i in range(len(pending.micros)))
-        dist.all_reduce(value, group=ps.get_data_parallel_group())
+        # Over DP only: every CP rank already holds its DP rank's whole loss (the gathered logprobs);
+        # summing over the CP ranks too is the variant cp-metrics-summed (SkyRL PR 1420).
+        dist.all_reduce(value, group=ps.get_data_parallel_group(
+            with_context_parallel=self.config.variant == "cp-metrics-summed"))
         if ps.get_pipeline_model_parallel_world_size() > 1:
             dist.broadcast(value, src=ps.get_pipeline_model_parallel_last_rank(),
                            group=ps.get_pipeline_model_parallel_group())

@@ -645,7 +645,42 @@ _MOE: tuple[Variant, ...] = (
             requires=_needs_experts_under_pp, default_layout="pp2", model="tiny-qwen3-moe", dtypes=("fp32",)),
 )
 
-_ENTRIES = _ENTRIES + _ROTATION + _OFFLOAD + _SYNC + _FP8 + _MOE
+
+
+def _needs_cp(layout, config) -> str | None:
+    return None if layout.cp > 1 else "needs context parallelism (cp >= 2): without it there is no split to get wrong"
+
+
+# Context parallelism (issue 36): CUDA, TE's spec, bf16 only (harness.parallel.layout.check_backend).
+_CP = dict(requires=_needs_cp, default_layout="cp2", dtypes=("bf16",), devices=("cuda",), specs=("te",))
+_CP_ENTRIES = (
+    Variant("cp-labels-rolled-after-split", "logprobs", "upstream-bug",
+            "the labels (the next token of each position) rolled inside each CP rank's chunks, after the "
+            "split, instead of on the whole sequence before it",
+            "the logprob of a wrong token at every chunk boundary (2 x cp - 1 positions per sequence)",
+            "logprob parity vs HF at cp2: max_abs, top1_agreement",
+            upstream="verl PR 4250 (labels rolled after the context-parallel split)", **_CP),
+    Variant("cp-chunks-contiguous", "logprobs", "upstream-bug",
+            "each CP rank's per-position results gathered back as contiguous 1/cp slices of the sequence "
+            "instead of its zig-zag chunks r and 2cp-1-r",
+            "logprobs permuted within each sequence: right values at the wrong tokens",
+            "logprob parity vs HF at cp2: max_abs, top1_agreement",
+            upstream="radixark/miles PR 885 (CP chunks gathered in the wrong order)", **_CP),
+    Variant("cp-grads-summed-over-cp", "training", "upstream-bug",
+            "every CP rank computes the whole sequence's loss from the gathered logprobs and the gather's "
+            "backward sums the gradient over the CP ranks (an all-gather's usual autograd)",
+            "gradients and the pre-clip grad norm cp times too large; clipping hides part of it",
+            "training vs the single-process ground truth at cp2: grad_norm_rel_diff",
+            upstream="verl PR 4250, SkyRL PR 1420 (loss or gradient scale ignoring context parallelism)", **_CP),
+    Variant("cp-metrics-summed", "training", "upstream-bug",
+            "the reported loss summed over data x context parallel ranks, though every CP rank already "
+            "holds its DP rank's whole loss",
+            "the logged loss cp times too large; the weights train right",
+            "training vs the single-process ground truth at cp2: loss_rel_diff",
+            upstream="SkyRL PR 1420 (metrics summed over the CP ranks)", **_CP),
+)
+
+_ENTRIES = _ENTRIES + _ROTATION + _OFFLOAD + _SYNC + _FP8 + _MOE + _CP_ENTRIES
 
 CATALOG: dict[str, Variant] = {v.id: v for v in _ENTRIES}
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from harness.models import build_hf_model
+from harness.parallel.layout import CP_BACKEND
 from harness.pytest_plugin.worlds import skip_invalid_layout
 from harness.training.invariance import MODEL, compare_to_ground_truth, policy_config
 from harness.training.tolerances import training_tolerance
@@ -76,3 +77,13 @@ def test_tied_embeddings_stay_identical_under_pp(policy, device, report):
 @pytest.mark.layouts(cpu=["tp2", "pp2"], cuda="all")
 def test_bf16_policy_steps_track_the_ground_truth(policy, device, layout, report):
     _check(policy, layout, report, dtype="bf16")
+
+
+# Context parallelism (issue 36): every sequence split over the CP ranks; CUDA with TE's spec in bf16
+# only (harness.parallel.layout.check_backend), against the same fp32 ground truth and bf16 bounds.
+@pytest.mark.layouts(cuda=["cp2", "cp2-sp", "cp2tp2", "cp2dp2", "cp4"])
+def test_bf16_policy_steps_under_context_parallelism_track_the_ground_truth(policy, device, spec, layout, report):
+    if spec != "te":
+        pytest.skip(CP_BACKEND)
+    _check(policy, layout, report, dtype="bf16")
+
