@@ -42,6 +42,15 @@ if [ -d .te ] && ! python3 -c "import transformer_engine" 2>/dev/null; then
 elif [ -f /tmp/site/te_env.sh ]; then
   . /tmp/site/te_env.sh  # built by an earlier call on this machine (one that carried .te/)
 fi
+# TE's loader takes the first libcudnn it finds: $CUDNN_HOME, then the unversioned libcudnn.so on the
+# library path, which on these images is the system's cuDNN 9.14 (/usr/lib/x86_64-linux-gnu) while torch
+# has loaded its wheel's 9.19 sub-libraries: every fused (cuDNN) attention then fails with
+# CUDNN_STATUS_SUBLIBRARY_LOADING_FAILED and TE falls back to its unfused attention, which has no context
+# parallelism (2x H200, 2026-11-27). Point TE at torch's own cuDNN.
+if [ -f /tmp/site/te_env.sh ] && [ -z "${CUDNN_HOME:-}" ]; then
+  CUDNN_HOME=$(python3 -c "import glob, site; print(next(iter(d for s in site.getsitepackages() for d in glob.glob(s + '/nvidia/cudnn')), ''))")
+  [ -n "$CUDNN_HOME" ] && export CUDNN_HOME
+fi
 if [ -d .vllm ] && [ ! -f /tmp/vllm_site/vllm_env.sh ]; then
   echo "device_run.sh: installing vLLM from .vllm/ (log /tmp/vllm_install.log)" >&2
   bash .vllm/install_on_device.sh .vllm > /tmp/vllm_install.log 2>&1 || { tail -40 /tmp/vllm_install.log; exit 1; }
