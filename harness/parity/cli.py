@@ -35,7 +35,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--packing", choices=("right", "thd"), default="right",
                         help="how a micro-batch is fed: left padding removed ('right', default) or packed THD "
                              "sequences with cu_seqlens (TE spec)")
-    parser.add_argument("--cp-comm-type", choices=("p2p", "a2a", "allgather"), default=None,
+    parser.add_argument("--cp-comm-type", choices=("p2p", "a2a", "all_gather"), default=None,
                         help="context parallelism's exchange (megatron-core's cp_comm_type; default p2p); cp layouts only")
     parser.add_argument("--cache-dir", default=None, help="where zoo models are materialized")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per layout before stacks are dumped")

@@ -63,7 +63,7 @@ class ParityCase:
 
 REFERENCES = ("arranged", "plain")
 # megatron-core's TransformerConfig.cp_comm_type values ("a2a+p2p" needs cp >= 4: hierarchical groups).
-CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
+CP_COMM_TYPES = ("p2p", "a2a", "all_gather", "a2a+p2p")
 
 
 @dataclass

@@ -4,7 +4,7 @@ Megatron-core runs CP through Transformer Engine's attention only, and TE has no
 under CP (its fused and flash attention are fp16/bf16, its unfused one cannot split a sequence). So
 these run on CUDA with TE's spec in bf16: padded rows ("right": causal, no mask) and packed THD
 sequences (cu_seqlens, each slot padded to 2 x cp chunks), over each exchange megatron-core offers
-(`cp_comm_type` p2p, a2a, allgather). The bf16 arithmetic is TE's (the approximate regime); the fp32
+(`cp_comm_type` p2p, a2a, all_gather). The bf16 arithmetic is TE's (the approximate regime); the fp32
 check of the bf16 model's state runs with CP folded into DP (`harness.parity.runner.fp32_layout`:
 CP ranks hold whole, identical weights). Elsewhere (the CPU tier, the local spec, fp32) a CP layout
 is one clear error before any rank starts.
@@ -16,7 +16,7 @@ import pytest
 from harness.parallel.layout import CP_BACKEND, CP_FP32, LayoutError, parse_layout
 from harness.parity.runner import ParityCase, fp32_layout, run_parity
 
-CP_LAYOUTS = ["cp2", "cp2tp2", "cp4", "cp2dp2", "cp2-sp", "cp2tp2-sp"]  # those the machine's GPUs fit run
+CP_LAYOUTS = ["cp2", "cp2tp2", "cp4", "cp2dp2", "cp2tp2-sp"]  # those the machine's GPUs fit run
 
 
 def _run(world, case, hf_cache, report):
@@ -36,7 +36,7 @@ def test_cp_logprobs_match_hf(world, device, spec, layout, packing, hf_cache, re
 
 
 @pytest.mark.layouts(cuda=["cp2"])
-@pytest.mark.parametrize("comm", ["a2a", "allgather"])
+@pytest.mark.parametrize("comm", ["a2a", "all_gather"])
 def test_every_cp_exchange_gives_the_same_parity(world, device, spec, layout, comm, hf_cache, report):
     """megatron-core's other `cp_comm_type`s (p2p is the default, above): KV by all-to-all over the
     heads (Ulysses-style) and by one all-gather."""

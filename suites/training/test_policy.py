@@ -81,7 +81,7 @@ def test_bf16_policy_steps_track_the_ground_truth(policy, device, layout, report
 
 # Context parallelism (issue 36): every sequence split over the CP ranks; CUDA with TE's spec in bf16
 # only (harness.parallel.layout.check_backend), against the same fp32 ground truth and bf16 bounds.
-@pytest.mark.layouts(cuda=["cp2", "cp2-sp", "cp2tp2", "cp2dp2", "cp4"])
+@pytest.mark.layouts(cuda=["cp2", "cp2tp2", "cp2tp2-sp", "cp2dp2", "cp4"])
 def test_bf16_policy_steps_under_context_parallelism_track_the_ground_truth(policy, device, spec, layout, report):
     if spec != "te":
         pytest.skip(CP_BACKEND)
