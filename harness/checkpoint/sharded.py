@@ -63,8 +63,10 @@ def model_keys(chunks: int) -> list[str]:
 
 
 def rng_sharded_object(state: dict[str, Any]):
-    """This rank's RNG states as one ShardedObject over (pp, tp, dp): every rank saves its own,
-    restorable only at the same layout."""
+    """This rank's RNG states as one ShardedObject over (pp, tp, dp), and cp under context
+    parallelism: every rank saves its own, restorable only at the same layout. (Without the cp
+    dimension the CP ranks of one (pp, tp, dp) position wrote the same key: "Duplicate ShardedObject
+    keys" at cp2 on 2 H200s. Layouts without CP keep the three dimensions their checkpoints have.)"""
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -72,6 +74,9 @@ def rng_sharded_object(state: dict[str, Any]):
              ps.get_data_parallel_world_size())
     offset = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
               ps.get_data_parallel_rank())
+    cp = ps.get_context_parallel_world_size()
+    if cp > 1:
+        shape, offset = shape + (cp,), offset + (ps.get_context_parallel_rank(),)
     return ShardedObject("rng_state", state, shape, offset, replica_id=0)
 
 
