@@ -2,6 +2,12 @@
 results back, a failing rank's exception re-raised with its traceback, a hung or dead rank failing
 the call within its timeout with every rank's story, and nothing left behind after `close()`.
 
+A call abandoned mid-flight (a KeyboardInterrupt from SIGINT, or any exception raised in the
+parent while it waits) leaves the world "in doubt": its ranks may still be running it and their
+replies may still come. The next call first drains them (the abandoned call's replies, until that
+call's own deadline), and restarts the ranks instead when the call never fully went out, a rank
+does not answer by then, or the drain itself is interrupted: no call is sent out of step.
+
 Two launchers implement it: `World` (local rank processes, harness.launch.world) and `RayWorld`
 (one Ray actor per rank, harness.launch.ray_world). They differ in how ranks start, how a call
 reaches them and comes back, how stacks are collected and what "kill" means; the bookkeeping and
@@ -17,6 +23,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, TextIO
 
 import psutil
@@ -31,6 +38,18 @@ WORKDIR_PREFIXES = ("mrh-world", "mrh-rayworld")
 OWNER_FILE = "owner"  # {"pid", "started"} of the process that made the directory
 OWNER_START_SLACK_S = 2.0
 LEGACY_MAX_AGE_S = 24 * 3600  # a directory without an owner file (an older harness) is stale after this
+
+
+@dataclass
+class Call:
+    """One call in flight: the ranks that have not answered yet, by when they must (a failure
+    shortens it to a grace), and whether the message reached every rank."""
+
+    id: Any
+    what: str
+    deadline: float
+    pending: set[int]
+    sent: bool = False
 
 
 class WorldBase:
@@ -65,6 +84,8 @@ class WorldBase:
         self.starts = 0  # how many times the ranks were (re)started
         self.calls = 0  # how many calls were sent to the ranks
         self._call_ids = itertools.count()
+        self._call: Call | None = None  # the call in flight; still set after run() left: in doubt
+        self.abandoned = 0  # calls left in flight by an exception in this process (drained or restarted)
 
     # ------------------------------------------------------------------ to implement
     @property
@@ -94,6 +115,7 @@ class WorldBase:
         raise NotImplementedError
 
     def _kill(self) -> None:
+        """Kill the ranks; also forget the call in flight (`_forget_call`)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -126,6 +148,9 @@ class WorldBase:
             raise WorldStartError(
                 f"world of {self.size} {self.device} ranks ({self.launcher}) failed to start: {exc}{remote}"
             ) from exc
+        except BaseException:  # interrupted mid-start: no half-started world is kept
+            self._kill()
+            raise
         from harness.launch.facts import rank_facts
 
         self.facts = self.run(rank_facts)[0]
@@ -138,6 +163,7 @@ class WorldBase:
         `fn` must be picklable (a module-level function or a functools.partial of one). The first
         exception raised on any rank is re-raised here with its rank and remote traceback attached.
         """
+        self._settle()
         self.start()
         try:
             payload = pickle.dumps((fn, args, kwargs))
@@ -145,55 +171,96 @@ class WorldBase:
             raise TypeError(f"{fn!r} and its arguments must be picklable to run on ranks: {exc}") from exc
         call_id = next(self._call_ids)
         self.calls += 1
+        timeout = self.timeout if timeout is None else timeout
+        call = self._open_call(call_id, timeout, describe(fn))
         self._send((call_id, list(sys.path), payload))
-        return self._collect(call_id, self.timeout if timeout is None else timeout, what=describe(fn))
+        call.sent = True
+        return self._collect(call, timeout)
 
-    def _gather(self, call_id: Any, timeout: float) -> tuple[dict, dict, dict, set]:
+    def _open_call(self, call_id: Any, timeout: float, what: str, sent: bool = False) -> Call:
+        """Put a call in flight (before its message goes out: an interrupt may come at any point)."""
+        self._call = Call(call_id, what, time.monotonic() + timeout, set(range(self.size)), sent=sent)
+        return self._call
+
+    def _forget_call(self) -> None:
+        """The ranks are gone (`_kill`): nothing is in flight any more."""
+        self._call = None
+
+    def _settle(self) -> None:
+        """Before a call: if the last one was abandoned mid-flight (in doubt), drain its replies
+        until its own deadline, or restart the ranks (the next `start`) where that cannot be done."""
+        call = self._call
+        if call is None:
+            return
+        self.abandoned += 1
+        if not call.sent:  # a rank may have half a message, or none: it cannot answer in step
+            self._kill()
+            return
+        try:
+            _, _, died, hung = self._gather(call, draining=True)
+        except Exception:  # a pipe left mid-message, a reply that does not unpickle: restart
+            self._kill()
+            return
+        except BaseException:  # interrupted again while draining: stop waiting, kill, propagate
+            self._kill()
+            raise
+        if died or hung:
+            self._kill()
+
+    def _gather(self, call: Call, draining: bool = False) -> tuple[dict, dict, dict, set]:
         """(results, errors, died, hung) of one call: results[rank] = pickled value,
         errors[rank] = (pickled exception or None, traceback), died[rank] = exit code or None,
         hung = ranks that did not answer in time. Once a rank raised, the others get
         `failure_grace` seconds (they may be stuck waiting for it, or about to raise too); once a
         rank died, only `death_grace`: the others of a collective call are almost surely blocked on
-        it, and waiting longer only delays the report (their stacks are collected after the wait)."""
-        deadline = time.monotonic() + timeout
+        it, and waiting longer only delays the report (their stacks are collected after the wait).
+        The call stays in flight (`self._call`) until every rank's outcome is in: whatever ends
+        the wait early (an interrupt) leaves the world in doubt, for the next call to settle."""
         results: dict[int, bytes] = {}
         errors: dict[int, tuple[bytes | None, str]] = {}
         died: dict[int, int | None] = {}
-        pending = set(range(self.size))
-        while pending:
-            remaining = deadline - time.monotonic()
+        while call.pending:
+            remaining = call.deadline - time.monotonic()
             if remaining <= 0:
                 break
-            for rank, outcome, value in self._poll(pending, remaining):
-                pending.discard(rank)
+            news = self._poll(set(call.pending), remaining)
+            call.pending.difference_update(rank for rank, _, _ in news)  # read: no longer in flight
+            for rank, outcome, value in news:
                 if outcome == "reply":
-                    if self._accept(rank, value, call_id, results, errors):
+                    if self._accept(rank, value, call.id, results, errors, draining=draining):
                         continue
                 elif outcome == "died":
                     died[rank] = value
                 else:
                     errors[rank] = (None, value)
                 grace = self.death_grace if outcome == "died" else self.failure_grace
-                deadline = min(deadline, time.monotonic() + grace)  # a later failure never extends it
-        return results, errors, died, pending
+                call.deadline = min(call.deadline, time.monotonic() + grace)  # a later failure never extends it
+        if not call.pending and self._call is call:
+            self._call = None  # every rank's outcome is in: the world is in step again
+        return results, errors, died, set(call.pending)
 
-    def _collect(self, call_id: Any, timeout: float, what: str) -> list[Any]:
-        results, errors, died, hung = self._gather(call_id, timeout)
+    def _collect(self, call: Call, timeout: float) -> list[Any]:
+        what = call.what
+        results, errors, died, hung = self._gather(call)
         if hung or died:
             self._fail_hard(what, timeout, hung, died, errors)
         if errors:
             self._raise_rank_error(errors, what)
         return [pickle.loads(results[r]) if results[r] is not None else None for r in range(self.size)]
 
-    def _accept(self, rank: int, reply: tuple, call_id: Any, results: dict, errors: dict) -> bool:
-        """File one rank's reply; True when it is a success."""
+    def _accept(self, rank: int, reply: tuple, call_id: Any, results: dict, errors: dict,
+                draining: bool = False) -> bool:
+        """File one rank's reply; True when it is a success. A drained reply (of an abandoned
+        call) has its output echoed but its report rows dropped: no test asked for them."""
         from harness.launch.errors import WorldError
 
         reply_id, status, payload, tb, output, rows = reply
         if reply_id != call_id:
-            raise WorldError(f"rank {rank} answered call {reply_id!r}, expected {call_id!r}")
+            self._kill()  # out of step: no later call could trust its replies
+            raise WorldError(f"rank {rank} answered call {reply_id!r}, expected {call_id!r}; world torn down")
         self._echo(rank, output)
-        report_buffer.extend([{**row, "rank": rank} for row in rows])
+        if not draining:
+            report_buffer.extend([{**row, "rank": rank} for row in rows])
         if status == "ok":
             results[rank] = payload
             return True

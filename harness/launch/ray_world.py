@@ -163,13 +163,14 @@ class RayWorld(WorldBase):
                  for rank in range(self.size)]
         self._driver_node = ray.get_runtime_context().get_node_id()
         self._inflight = [a.join.remote(spec) for a, spec in zip(self._actors, specs)]
-        self._collect("start", self.start_timeout, what="start")
+        self._collect(self._open_call("start", self.start_timeout, "start", sent=True), self.start_timeout)
 
     def close(self) -> None:
         """Kill every rank actor and remove the placement group (nothing is left in the cluster)."""
         self._kill()
 
     def _kill(self) -> None:
+        self._forget_call()
         if self._actors or self._group is not None:
             import ray
 

@@ -121,22 +121,25 @@ class World(WorldBase):
             child_conn.close()
             self._procs.append(proc)
             self._conns.append(parent_conn)
-        self._collect("start", self.start_timeout, what="start")
+        self._collect(self._open_call("start", self.start_timeout, "start", sent=True), self.start_timeout)
 
     def close(self) -> None:
-        """Stop every rank (orderly if possible) and remove the world's files."""
-        for conn in self._conns:
-            try:
-                conn.send(None)
-            except (OSError, ValueError):
-                pass
-        deadline = time.monotonic() + 10.0
-        for proc in self._procs:
-            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        """Stop every rank (orderly if possible) and remove the world's files. A world left in doubt
+        by an abandoned call is killed outright: its ranks would see the stop only after that call."""
+        if self._call is None:
+            for conn in self._conns:
+                try:
+                    conn.send(None)
+                except (OSError, ValueError):
+                    pass
+            deadline = time.monotonic() + 10.0
+            for proc in self._procs:
+                proc.join(timeout=max(0.0, deadline - time.monotonic()))
         self._kill()
 
     def _kill(self) -> None:
         """Kill every rank's process group (the rank and anything it started) and reap it."""
+        self._forget_call()
         for proc in self._procs:
             if proc.pid is None:
                 continue

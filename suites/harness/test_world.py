@@ -64,6 +64,15 @@ def _mark_then_wait(marker: str) -> None:
     time.sleep(600)
 
 
+def _wait_for_release(marker: str, release: str) -> str:
+    """Mark the rank as mid-call, then wait until the test creates `release` (no timing involved)."""
+    with open(marker, "a") as f:
+        f.write(f"{context().rank}\n")
+    while not os.path.exists(release):
+        time.sleep(0.02)
+    return f"abandoned call on rank {context().rank}"
+
+
 def _unpicklable_result():
     return lambda: None
 
@@ -274,6 +283,107 @@ def test_session_end_leaves_no_orphans(pytester):
     result.assert_outcomes(passed=1)
     pids = [int(p) for p in pids_file.read_text().split()]
     assert len(pids) == 4 and _survivors(pids) == []
+
+
+def _interrupt_the_wait(world, monkeypatch) -> None:
+    """The next wait for replies raises KeyboardInterrupt, as a SIGINT would: after the call was
+    sent, before any reply was read (once; later waits are the world's own)."""
+    poll = world._poll
+
+    def interrupted(pending, timeout):
+        monkeypatch.setattr(world, "_poll", poll)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(world, "_poll", interrupted)
+
+
+@pytest.fixture
+def restartable_world(request, world_pool, device, fresh_world):
+    """A world of 2 for the tests that restart or close theirs: local CPU ranks forked in a private
+    world ((re)start in about a second, spawned ones in 5 on 2 cores); else the session's world,
+    restarted in place as the timeout tests do (a private Ray world would cost a start more)."""
+    if world_pool.launcher == "process" and device == "cpu":
+        return fresh_world(2, start_method="fork").start()
+    return request.getfixturevalue("world")
+
+
+def test_an_interrupted_call_is_drained_before_the_next_call(world, tmp_path, monkeypatch):
+    """Issue 36: a SIGINT inside `world.run` left the call's replies in flight; the next call (a
+    test's `finally: policy.close()`) read them and failed "rank 1 answered call N, expected N+1".
+    Now the next call first drains the abandoned call's replies (same ranks, same state), then runs."""
+    marker, release = tmp_path / "in_call", tmp_path / "release"
+    pids, starts, abandoned = world.pids, world.starts, world.abandoned
+    _interrupt_the_wait(world, monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        world.run(_wait_for_release, str(marker), str(release))
+    release.touch()  # the abandoned call now finishes: its replies are on their way, or already there
+    assert world.run(_rank_and_sum, 5) == [(0, 8.0), (1, 8.0)]  # no "rank 0 answered call N, expected N+1"
+    assert sorted(marker.read_text().split()) == ["0", "1"], "both ranks ran the abandoned call"
+    assert world.run(_rank_and_sum, 6) == [(0, 9.0), (1, 9.0)]
+    assert world.pids == pids and world.starts == starts, "drained, not restarted"
+    assert world.abandoned == abandoned + 1
+
+
+def test_an_interrupted_call_that_never_ends_restarts_the_world(restartable_world, tmp_path, monkeypatch):
+    """The abandoned call does not finish within its own timeout: the next call kills the ranks
+    (none survives) and runs on a fresh world."""
+    world = restartable_world
+    marker, release = tmp_path / "in_call", tmp_path / "never"
+    pids, starts = world.pids, world.starts
+    _interrupt_the_wait(world, monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        world.run(_wait_for_release, str(marker), str(release), timeout=1.0)
+    assert world.run(_rank_and_sum, 5) == [(0, 8.0), (1, 8.0)]
+    assert world.starts == starts + 1 and _survivors(pids) == []
+    assert world.run(_rank_and_sum, 6) == [(0, 9.0), (1, 9.0)]
+
+
+def test_an_interrupt_while_draining_restarts_the_world(restartable_world, tmp_path, monkeypatch):
+    """A second interrupt, while the next call drains the first one's replies, kills the ranks and
+    propagates; the call after it starts a fresh world."""
+    world = restartable_world
+    marker, release = tmp_path / "in_call", tmp_path / "never"
+    pids, starts = world.pids, world.starts
+    _interrupt_the_wait(world, monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        world.run(_wait_for_release, str(marker), str(release))
+    _interrupt_the_wait(world, monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        world.run(_rank_and_sum, 5)
+    assert not world.alive and _survivors(pids) == []
+    assert world.run(_rank_and_sum, 6) == [(0, 9.0), (1, 9.0)]
+    assert world.starts == starts + 1
+
+
+def test_an_interrupt_while_sending_restarts_the_world(restartable_world, monkeypatch):
+    """A call interrupted before it reached every rank (a pipe may hold half a message): the next
+    call restarts the ranks rather than wait for replies that may never come."""
+    world = restartable_world
+    pids, starts = world.pids, world.starts
+    send = world._send
+
+    def interrupted(message):
+        monkeypatch.setattr(world, "_send", send)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(world, "_send", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        world.run(_rank_and_sum, 5)
+    assert world.run(_rank_and_sum, 5) == [(0, 8.0), (1, 8.0)]
+    assert world.starts == starts + 1 and _survivors(pids) == []
+
+
+def test_closing_a_world_in_doubt_kills_it_at_once(restartable_world, tmp_path, monkeypatch):
+    """`close()` (a session's end after Ctrl-C) does not wait for ranks busy in an abandoned call
+    to see an orderly stop: it kills them, and nothing survives."""
+    world = restartable_world
+    pids = world.pids
+    _interrupt_the_wait(world, monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        world.run(_wait_for_release, str(tmp_path / "in_call"), str(tmp_path / "never"))
+    start = time.monotonic()
+    world.close()
+    assert time.monotonic() - start < 5.0 and _survivors(pids) == []
 
 
 def _survivors(pids: list[int], wait_s: float = 5.0) -> list[int]:
