@@ -23,9 +23,6 @@ import math
 
 import torch
 
-# The catalog's CP variants this module implements (harness.variants): how a framework gets it wrong.
-GATHER_VARIANTS = ("cp-chunks-contiguous", "cp-labels-rolled-after-split", "cp-grads-summed-over-cp")
-
 
 def chunk_positions(length: int, cp: int, rank: int) -> torch.Tensor:
     """Positions 0..length-1 that CP rank `rank` of `cp` holds: chunks rank and 2cp-1-rank of 2cp."""

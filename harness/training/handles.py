@@ -280,6 +280,7 @@ class ReferenceHandle(_Handle):
     def __init__(self, world, layout: Layout | str, model="tiny-qwen3", *,
                  dtype: torch.dtype = torch.float32, seed: int = DEFAULT_SEED) -> None:
         super().__init__(world, layout, model, seed)
+        check_backend(self.layout, world.device, world.spec, "fp32" if dtype == torch.float32 else None)
         run_in_layout(world, self.layout, _create_reference, self.key, self.path, dtype, seed,
                       model=self.path, seed=None)  # the worker seeds its own streams
 

@@ -91,3 +91,15 @@ def test_a_moe_policy_steps_under_cp_with_experts_over_dp_x_cp(policy, device, s
         first_step[name] = [check for step, check in result.checks if step == 0]
         worker.close()
     assert first_step[layout] and all(check.passed for check in first_step[layout]), first_step[layout]
+
+
+@pytest.mark.layouts(cpu=["cp2"], cuda=["cp2"])
+def test_a_cp_policy_is_refused_before_any_rank_builds_it_where_cp_cannot_run(policy, device, spec, layout):
+    """The CPU tier and the local spec have no CP attention; TE on CUDA has none in fp32: the policy
+    (and the reference) refuse in one line, before any rank builds anything."""
+    from harness.parallel.layout import CP_FP32, LayoutError
+
+    expected = CP_FP32 if (device, spec) == ("cuda", "te") else CP_BACKEND
+    with pytest.raises(LayoutError, match="context parallelism") as caught:
+        policy(layout, "tiny-qwen3", dtype="fp32")
+    assert expected in str(caught.value)
