@@ -69,6 +69,18 @@ behaviour it replaces and why:
    unmarked and exports one rank's shard (16 of 32 rows at tp2-sp, 2x H200); the version-gated
    `harness.compat.megatron_core.mark_split_expert_weights` marks them as 0.19.2 does, and the dense
    branch then gathers them over TP (= etp at ep 1).
+12. Qwen2-MoE's shared-expert gate (mbridge 0.15.1, found here): Qwen2MoEBridge maps
+   `shared_experts.gate_weight` to HF's `mlp.shared_expert_gate.weight` but never sets
+   `moe_shared_expert_gate`, so megatron-core (0.16.1: default False) builds the shared expert without
+   its gate: the HF gate tensor is never read and the shared expert's output is added unscaled, where HF
+   scales it by sigmoid(shared_expert_gate(x)) (the catalog's `shared-expert-gate-dropped`: tiny-qwen2-moe
+   logprobs up to 2.07 off, top-1 agreement 0.33; stock, the harness's every-tensor-used guard refuses
+   the checkpoint, naming the gate tensors). The class: NVIDIA/Megatron-LM #1595 (megatron-core's MoE
+   spec once built SharedExpertMLP with gate=False whatever the model). We set
+   `moe_shared_expert_gate=True`, and `moe_shared_expert_overlap` off (the bridge turns it on: it needs
+   CUDA streams, which the CPU tier has none of, refuses the allgather dispatcher, and reorders the
+   shared expert's gradient against the router's, megatron-core's own note; its forward is the same
+   arithmetic).
 """
 from __future__ import annotations
 
@@ -111,6 +123,8 @@ _LOCAL_NORM_TO_HF = {"input_layernorm": "input_layernorm",
 _MOE_LOCAL_FUSIONS_OFF = {name: False for name in (
     "persist_layer_norm", "bias_activation_fusion", "bias_dropout_fusion", "moe_permute_fusion",
     "gradient_accumulation_fusion")}
+# Qwen2-MoE's shared expert as HF computes it (override 12): its sigmoid gate on, no stream overlap.
+QWEN2_MOE_SHARED_EXPERT = {"moe_shared_expert_gate": True, "moe_shared_expert_overlap": False}
 # SequentialMLP's experts (the local spec) -> TEGroupedMLP's names, which mbridge maps (override 8).
 _LOCAL_EXPERT = re.compile(r"(.*\.mlp\.experts)\.local_experts\.(\d+)\.(linear_fc[12])\.weight")
 
@@ -138,6 +152,8 @@ class HarnessBridgeMixin:
             self.set_extra_args(moe_grouped_gemm=False, **_MOE_LOCAL_FUSIONS_OFF)
         if hf_config.model_type == "mixtral":  # override 7
             self.set_extra_args(moe_router_pre_softmax=False)
+        if hf_config.model_type == "qwen2_moe":  # override 12
+            self.set_extra_args(**QWEN2_MOE_SHARED_EXPERT)
 
     def _build_base_config(self, text_config_key: Optional[str] = None, **kwargs: Any):
         # Ours go in as keyword overrides, so mbridge's set_extra_args (applied last) still wins.

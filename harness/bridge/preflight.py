@@ -7,13 +7,17 @@ bridge repeats `check_hf_config` and checks the tensors it really uses inside ea
 guard (`harness.bridge.mbridge_compat.make_bridge`, `harness.bridge.load`).
 
 What is refused, and why each would otherwise go wrong without an error:
-- model types other than llama/qwen2/qwen3 and the MoE qwen3_moe/mixtral (only their mappings are
-  checked against HF);
-- MoE features the bridges do not build: dense layers between sparse ones (Qwen3-MoE
-  `mlp_only_layers`, `decoder_sparse_step` != 1), top-k probabilities left unnormalised (Qwen3-MoE
-  `norm_topk_prob=False`: Megatron's softmax router renormalises over the top k), router jitter
-  noise (Mixtral `router_jitter_noise`: random routing in training), HF's load-balancing loss
-  (`output_router_logits=True`: not megatron-core's per-layer aux loss);
+- model types other than llama/qwen2/qwen3 and the MoE qwen3_moe/qwen2_moe/mixtral (only their
+  mappings are checked against HF); Megatron-Bridge 0.6.2 converts neither Mixtral nor Qwen2-MoE (it has
+  no bridge for either: refused by name there, `BRIDGE_MODEL_TYPES`);
+- MoE features the bridges do not build: dense layers between sparse ones (Qwen3-MoE and Qwen2-MoE
+  `mlp_only_layers`, `decoder_sparse_step` != 1: neither bridge sets `moe_layer_freq`), top-k
+  probabilities left unnormalised (Qwen3-MoE `norm_topk_prob=False`: Megatron's softmax router
+  renormalises over the top k) and the converse (Qwen2-MoE `norm_topk_prob=True`: mbridge's
+  Qwen2MoEBridge routes with `moe_router_pre_softmax=True`, a softmax over every expert and no
+  renormalisation), a Qwen2-MoE without its shared expert or its q/k/v biases (mbridge builds both),
+  router jitter noise (Mixtral `router_jitter_noise`: random routing in training), HF's load-balancing
+  loss (`output_router_logits=True`: not megatron-core's per-layer aux loss);
 - hidden_act other than silu (mbridge always builds SwiGLU);
 - sliding-window attention (Megatron's local spec attends to the full causal context);
 - RoPE types other than default and llama3, and partial rotary (mbridge maps neither);
@@ -33,10 +37,11 @@ from typing import Any, Mapping
 
 from transformers import AutoConfig, PretrainedConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
 # What each bridge converts: Megatron-Bridge 0.6.2 has no Mixtral bridge ("Model architecture
-# 'MixtralForCausalLM' is not yet supported").
+# 'MixtralForCausalLM' is not yet supported") and no Qwen2-MoE one (nothing in megatron.bridge.models
+# registers Qwen2MoeForCausalLM; its qwen package has Qwen2, Qwen3, Qwen3-MoE, Qwen3-Next, Qwen3.5).
 BRIDGE_MODEL_TYPES = {"mbridge": SUPPORTED_MODEL_TYPES, "megatron-bridge": ("llama", "qwen2", "qwen3", "qwen3_moe")}
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -109,12 +114,22 @@ def _unsupported_biases(hf_config: PretrainedConfig) -> list[str]:
 
 def _unsupported_moe(hf_config: PretrainedConfig) -> list[str]:
     found = []
-    if hf_config.model_type == "qwen3_moe":
+    if hf_config.model_type in ("qwen3_moe", "qwen2_moe"):
         if getattr(hf_config, "mlp_only_layers", None) or getattr(hf_config, "decoder_sparse_step", 1) != 1:
             found.append(f"dense layers between the sparse ones (mlp_only_layers={hf_config.mlp_only_layers}, "
                          f"decoder_sparse_step={hf_config.decoder_sparse_step}): the bridges build every layer sparse")
-        if not getattr(hf_config, "norm_topk_prob", True):
-            found.append("norm_topk_prob=False: Megatron's softmax router renormalises the top-k probabilities")
+    if hf_config.model_type == "qwen3_moe" and not getattr(hf_config, "norm_topk_prob", True):
+        found.append("norm_topk_prob=False: Megatron's softmax router renormalises the top-k probabilities")
+    if hf_config.model_type == "qwen2_moe":
+        if getattr(hf_config, "norm_topk_prob", False):
+            found.append("norm_topk_prob=True: mbridge's Qwen2MoEBridge routes with moe_router_pre_softmax=True "
+                         "(the top k of a softmax over every expert, not renormalised)")
+        shared = getattr(hf_config, "shared_expert_intermediate_size", None)
+        if not shared:
+            found.append(f"shared_expert_intermediate_size={shared}: mbridge's Qwen2MoEBridge always builds the "
+                         "shared expert")
+        if not getattr(hf_config, "qkv_bias", True):
+            found.append("qkv_bias=False: mbridge's Qwen2MoEBridge always builds q/k/v biases")
     if getattr(hf_config, "output_router_logits", False):
         found.append("output_router_logits=True (HF trains with its load-balancing loss over every layer at "
                      "once; megatron-core's aux loss is per layer, another loss: the harness trains MoE models "
@@ -193,15 +208,18 @@ def expected_tensor_names(hf_config: PretrainedConfig) -> set[str]:
     per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight",
                  *(f"self_attn.{p}_proj.weight" for p in "qkvo")]
     experts = range(num_experts(hf_config))
-    if hf_config.model_type == "qwen3_moe":
+    if hf_config.model_type in ("qwen3_moe", "qwen2_moe"):
         per_layer += ["mlp.gate.weight",
                       *(f"mlp.experts.{e}.{p}_proj.weight" for e in experts for p in ("gate", "up", "down"))]
+        if hf_config.model_type == "qwen2_moe":  # the shared expert and its sigmoid gate
+            per_layer += [*(f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")),
+                          "mlp.shared_expert_gate.weight"]
     elif hf_config.model_type == "mixtral":
         per_layer += ["block_sparse_moe.gate.weight",
                       *(f"block_sparse_moe.experts.{e}.w{i}.weight" for e in experts for i in (1, 2, 3))]
     else:
         per_layer += [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
-    if hf_config.model_type == "qwen2":
+    if hf_config.model_type in ("qwen2", "qwen2_moe"):
         per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
     if hf_config.model_type in ("qwen3", "qwen3_moe"):
         per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]

@@ -29,7 +29,15 @@ models and the Qwen3-0.6B shape, CPU and H100):
      expert (the alltoall dispatcher's reduce-scatter, before the experts' outputs of a token are
      summed: `MoEAlltoAllTokenDispatcher.combine_preprocess`);
    - a token's experts' outputs are summed into zeros in the activation dtype in expert order
-     (`unpermute`'s scatter_add, HF's index_add_: the same).
+     (`unpermute`'s scatter_add, HF's index_add_: the same);
+   - a router whose top-k probabilities are not renormalised (Qwen2-MoE, `norm_topk_prob=False`;
+     megatron-core's `moe_router_pre_softmax=True`, what mbridge's Qwen2MoEBridge sets): the softmax
+     over every expert in float32, rounded to the activation dtype, then its top k (HF takes the top k
+     of the float32 softmax and rounds after: in bf16 a tie after rounding may pick another expert);
+   - a shared expert (Qwen2-MoE: megatron-core's SharedExpertMLP, computed before the router with the
+     stream overlap off) is the dense MLP under the dense tensor parallelism `tp` (linear_fc2's rounded
+     partial sums over the TP ranks), its output times the sigmoid of its gate's logit (a [1, hidden]
+     GEMM and the sigmoid, both in the activation dtype, as HF's), added to the routed experts' sum.
 
 The norms are matched the other way round: the harness's own local-spec RMSNorm rounds as HF does
 (harness.bridge.norms). In float32 the arrangements change nothing measurable (~1e-7).
@@ -112,12 +120,13 @@ class MegatronRoundedLinear(nn.Module):
 
 
 class MegatronRoundedMoE(nn.Module):
-    """An HF sparse MoE block (Qwen3-MoE's or Mixtral's: `gate.weight`, `experts.gate_up_proj`
-    [experts, 2 x width, hidden], `experts.down_proj` [experts, hidden, width]) computed as
-    megatron-core's router and SequentialMLP compute it (module docstring, 4), linear_fc2 split
-    over `partitions` (the experts' tensor parallelism)."""
+    """An HF sparse MoE block (Qwen3-MoE's, Qwen2-MoE's or Mixtral's: `gate.weight`,
+    `experts.gate_up_proj` [experts, 2 x width, hidden], `experts.down_proj` [experts, hidden, width];
+    Qwen2-MoE's also `shared_expert` and `shared_expert_gate`) computed as megatron-core's router,
+    SequentialMLP and SharedExpertMLP compute it (module docstring, 4), the experts' linear_fc2 split
+    over `partitions` (the experts' tensor parallelism), the shared expert's over `tp`."""
 
-    def __init__(self, block: nn.Module, partitions: int = 1) -> None:
+    def __init__(self, block: nn.Module, partitions: int = 1, tp: int = 1) -> None:
         super().__init__()
         experts = block.experts
         width = experts.down_proj.shape[-1]
@@ -125,6 +134,16 @@ class MegatronRoundedMoE(nn.Module):
             raise ValueError(f"expert width {width} does not split into {partitions} shards")
         self.gate, self.experts, self.top_k = block.gate, experts, block.gate.top_k
         self.partitions = partitions
+        # HF's Qwen2-MoE router with norm_topk_prob False: the top k of the softmax, not renormalised
+        # (megatron-core's pre-softmax router); Qwen3-MoE's and Mixtral's renormalise them.
+        self.pre_softmax = not getattr(block.gate, "norm_topk_prob", True)
+        shared = getattr(block, "shared_expert", None)
+        self.shared_expert, self.shared_expert_gate = shared, getattr(block, "shared_expert_gate", None)
+        if shared is not None:
+            if not isinstance(self.shared_expert_gate, nn.Linear):
+                raise TypeError(f"{type(block).__name__}: a shared expert without its nn.Linear shared_expert_gate")
+            for name, partitions_ in (("gate_proj", 1), ("up_proj", 1), ("down_proj", tp)):
+                setattr(shared, name, MegatronRoundedLinear(getattr(shared, name), partitions_))
 
     def _expert(self, e: int, tokens: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(tokens, self.experts.gate_up_proj[e]).chunk(2, dim=-1)
@@ -140,15 +159,30 @@ class MegatronRoundedMoE(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         tokens = hidden_states.reshape(-1, shape[-1])
+        # Megatron computes the shared expert first (before the router, stream overlap off).
+        shared = None if self.shared_expert is None else self._shared(tokens)
         logits = F.linear(tokens, self.gate.weight)
-        top, chosen = torch.topk(logits, k=self.top_k, dim=1)
-        weights = torch.softmax(top, dim=-1, dtype=torch.float32).type_as(logits)
+        if self.pre_softmax:  # topk_routing_with_score_function, use_pre_softmax
+            scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
+            weights, chosen = torch.topk(scores, k=self.top_k, dim=1)
+        else:
+            top, chosen = torch.topk(logits, k=self.top_k, dim=1)
+            weights = torch.softmax(top, dim=-1, dtype=torch.float32).type_as(logits)
         out = torch.zeros_like(tokens)
         for e in range(self.experts.gate_up_proj.shape[0]):
             rows, slot = torch.where(chosen == e)
             if rows.numel():
                 out.index_add_(0, rows, self._expert(e, tokens[rows], weights[rows, slot]))
+        if shared is not None:  # MoELayer.postprocess: routed + shared
+            out = out + shared
         return out.reshape(shape)
+
+    def _shared(self, tokens: torch.Tensor) -> torch.Tensor:
+        """SharedExpertMLP.forward: the MLP (its linears arranged in __init__), times sigmoid(gate)."""
+        mlp = self.shared_expert
+        hidden = mlp.act_fn(mlp.gate_proj(tokens)) * mlp.up_proj(tokens)
+        gate = torch.sigmoid(F.linear(tokens, self.shared_expert_gate.weight))
+        return mlp.down_proj(hidden) * gate
 
 
 def _is_sparse_block(mlp: nn.Module) -> bool:
@@ -157,7 +191,7 @@ def _is_sparse_block(mlp: nn.Module) -> bool:
 
 
 def arrange_like_megatron(model: nn.Module, *, tp: int = 1, expert_tp: int | None = None) -> nn.Module:
-    """Arrange an HF Llama/Qwen2/Qwen3 (or Qwen3-MoE/Mixtral) causal LM (in place) to round where
+    """Arrange an HF Llama/Qwen2/Qwen3 (or Qwen3-MoE/Qwen2-MoE/Mixtral) causal LM (in place) to round where
     Megatron's local spec does under tensor parallelism `tp` and the experts' tensor parallelism
     `expert_tp` (default `tp`) (see the module docstring). Returns the model."""
     expert_tp = tp if expert_tp is None else expert_tp
@@ -170,7 +204,7 @@ def arrange_like_megatron(model: nn.Module, *, tp: int = 1, expert_tp: int | Non
         sparse = getattr(layer, "mlp", None)
         sparse = sparse if sparse is not None and _is_sparse_block(sparse) else None
         if sparse is not None:
-            layer.mlp = MegatronRoundedMoE(sparse, expert_tp)
+            layer.mlp = MegatronRoundedMoE(sparse, expert_tp, tp)
         for path, partitions in [(p, 1) for p in _COLUMN_PARALLEL] + [(p, tp) for p in _ROW_PARALLEL]:
             if sparse is not None and path.startswith("mlp."):
                 continue

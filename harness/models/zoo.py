@@ -16,6 +16,9 @@ Mixture-of-Experts: `tiny-qwen3-moe` (Qwen3-MoE: 4 experts of width 32, top-2, s
 the top-k probabilities renormalised) and `tiny-mixtral` (Mixtral: 4 experts of width 128, top-2,
 softmax over the top-k logits), every layer sparse. 4 experts allow ep 1/2/4; the expert widths
 split over etp 1/2/4. `tiny-qwen3-moe-hd32` is `tiny-qwen3-moe` with head_dim 32 (vLLM's CPU attention).
+`tiny-qwen2-moe` (Qwen2-MoE: QKV bias, 4 experts of width 32, top-2 of a softmax over every expert,
+not renormalised, plus a shared expert of width 128 scaled by a sigmoid gate): stack A only
+(Megatron-Bridge 0.6.2 has no Qwen2-MoE bridge); no head_dim-32 twin (the vLLM suite runs Qwen3-MoE).
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from transformers import (
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
 )
@@ -69,6 +73,15 @@ _TINY_SHAPE: dict[str, Any] = dict(
 _TINY_QWEN3_MOE: dict[str, Any] = dict(
     num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
     decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
+)
+# Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B) on the tiny shape: Qwen2's QKV bias, 4 routed experts of
+# width 32, top-2 from a softmax over every expert *without* renormalisation (`norm_topk_prob=False`, the
+# published checkpoints' setting), and a shared expert of width 128 (4 x 32, as A2.7B's 5632 = 4 x 1408)
+# whose output is scaled by a sigmoid gate (`shared_expert_gate`, hidden -> 1); every layer sparse.
+_TINY_QWEN2_MOE: dict[str, Any] = dict(
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=128,
+    norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
+    qkv_bias=True, use_sliding_window=False,
 )
 _TINY_MIXTRAL: dict[str, Any] = dict(
     num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0, sliding_window=None,
@@ -198,6 +211,13 @@ def _build_zoo() -> dict[str, ZooModel]:
         config_kwargs={**_TINY_SHAPE, **_TINY_QWEN3_MOE, "head_dim": 32, "tie_word_embeddings": False},
         description="tiny Qwen3-MoE (QK-norm; 4 experts of width 32, top-2, normalised top-k) with head_dim 32 "
                     f"(vLLM's CPU kernels), untied lm_head, vocab {TINY_VOCAB_SIZE}",
+    ))
+    entries.append(ZooModel(
+        name="tiny-qwen2-moe",
+        config_class=Qwen2MoeConfig,
+        config_kwargs={**_TINY_SHAPE, **_TINY_QWEN2_MOE, "tie_word_embeddings": False},
+        description="tiny Qwen2-MoE (QKV bias; 4 experts of width 32, top-2 of a softmax over all, unnormalised; "
+                    f"a shared expert of width 128 behind a sigmoid gate), untied lm_head, vocab {TINY_VOCAB_SIZE}",
     ))
     entries.append(ZooModel(
         name="tiny-mixtral",

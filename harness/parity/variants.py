@@ -210,15 +210,30 @@ def _mixtral_pre_softmax(models) -> None:
         moe.config.moe_router_pre_softmax = True  # read at every forward
 
 
-# Variants that change how the model routes (code and configuration, not the state copy_state carries):
-# harness.parity.runner applies them to the fp32 evaluation's model too.
-ROUTING = frozenset({"router-in-bf16", "topk-off-by-one", "mixtral-pre-softmax"})
+def _drop_shared_expert_gate(models) -> None:
+    """The shared expert without its sigmoid gate, as megatron-core builds it when the bridge leaves
+    `moe_shared_expert_gate` False (mbridge 0.15.1's Qwen2MoEBridge): its output added unscaled. The
+    loaded gate weight stays in place, unread (SharedExpertMLP.forward reads the flag at every call)."""
+    gated = [moe.shared_experts for moe in _moe_layers(models, "shared-expert-gate-dropped")
+             if getattr(getattr(moe, "shared_experts", None), "use_shared_expert_gate", False)]
+    if not gated:
+        raise VariantError("variant 'shared-expert-gate-dropped' needs a MoE model whose shared expert has a "
+                           "sigmoid gate (Qwen2-MoE)")
+    for shared in gated:
+        shared.use_shared_expert_gate = False
+
+
+# Variants that change how the model computes (code and configuration, not the state copy_state
+# carries: how it routes, whether the shared expert is gated): harness.parity.runner applies them to
+# the fp32 evaluation's model too.
+ROUTING = frozenset({"router-in-bf16", "topk-off-by-one", "mixtral-pre-softmax", "shared-expert-gate-dropped"})
 
 IMPLEMENTED: dict[str, Callable] = {
     "swapped-experts": _swap_experts,
     "router-in-bf16": _router_in_bf16,
     "topk-off-by-one": _topk_off_by_one,
     "mixtral-pre-softmax": _mixtral_pre_softmax,
+    "shared-expert-gate-dropped": _drop_shared_expert_gate,
     "swapped-gate-up": _swap_gate_up,
     "wrong-rope-base": _wrong_rope_base,
     "scaled-norm": _scale_norm,

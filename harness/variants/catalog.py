@@ -680,7 +680,31 @@ _CP_ENTRIES = (
             upstream="SkyRL PR 1420 (metrics summed over the CP ranks)", **_CP),
 )
 
-_ENTRIES = _ENTRIES + _ROTATION + _OFFLOAD + _SYNC + _FP8 + _MOE + _CP_ENTRIES
+
+# Qwen2-MoE (issue 37): the shared expert's sigmoid gate, which a converter can leave out without an error.
+def _needs_gated_shared_expert(layout, config) -> str | None:
+    if config is not None and not getattr(config, "shared_expert_intermediate_size", 0):
+        return "needs a MoE model with a gated shared expert (Qwen2-MoE's shared_expert_gate)"
+    return _needs_experts(layout, config)
+
+
+_QWEN2_MOE = (
+    Variant("shared-expert-gate-dropped", "bridge", "upstream-bug",
+            "Qwen2-MoE's shared expert built without its sigmoid gate (megatron-core's moe_shared_expert_gate "
+            "left False): HF's mlp.shared_expert_gate.weight is never read and the shared expert's output is "
+            "added to the routed experts' unscaled, where HF scales it by sigmoid(shared_expert_gate(x))",
+            "every token's MoE output off by (1 - sigmoid(gate)) x the shared expert's output: logprobs "
+            "off on every token; the model loads, runs and trains without an error",
+            "logprob parity vs HF: every metric",
+            upstream="mbridge 0.15.1 Qwen2MoEBridge._build_config maps shared_experts.gate_weight but never sets "
+                     "moe_shared_expert_gate (found by this harness; worked around in "
+                     "harness.bridge.mbridge_compat, override 12); the class: NVIDIA/Megatron-LM #1595 "
+                     "(SharedExpertMLP built with gate=False, no gate for Qwen1.5-MoE)",
+            requires=_needs_gated_shared_expert, default_layout="dp2", model="tiny-qwen2-moe",
+            options=_MOE_PARITY),
+)
+
+_ENTRIES = _ENTRIES + _ROTATION + _OFFLOAD + _SYNC + _FP8 + _MOE + _CP_ENTRIES + _QWEN2_MOE
 
 CATALOG: dict[str, Variant] = {v.id: v for v in _ENTRIES}
 

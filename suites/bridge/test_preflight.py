@@ -199,3 +199,43 @@ def test_mrh_parity_command_exits_2_with_one_line(tmp_path):
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and "rope type 'dynamic'" in lines[0], done.stderr
     assert done.stdout == ""
+
+
+# ----------------------------------------------------------------------------- Qwen2-MoE (issue 37)
+# What mbridge 0.15.1's Qwen2MoEBridge would build otherwise than HF (harness.bridge.preflight): it routes
+# with megatron-core's pre-softmax router (no renormalisation), makes every layer sparse and always builds
+# the shared expert and q/k/v biases. Megatron-Bridge 0.6.2 has no Qwen2-MoE bridge: there every one of
+# these, the zoo model too, is refused by the bridge's name first.
+QWEN2_MOE_UNSUPPORTED = {
+    "qwen2-moe-norm-topk": ({"norm_topk_prob": True}, (), "norm_topk_prob=True"),
+    "qwen2-moe-sparse-step": ({"decoder_sparse_step": 2}, (), "dense layers between the sparse ones"),
+    "qwen2-moe-mlp-only": ({"mlp_only_layers": [1]}, (), "dense layers between the sparse ones"),
+    "qwen2-moe-no-qkv-bias": ({"qkv_bias": False}, (), "qkv_bias=False"),
+    "qwen2-moe-router-logits": ({"output_router_logits": True}, (), "output_router_logits=True"),
+    "qwen2-moe-gate-missing": (None, ("model.layers.2.mlp.shared_expert_gate.weight",),
+                               "lacks tensors the model needs: model.layers.2.mlp.shared_expert_gate.weight"),
+}
+
+
+@pytest.mark.parametrize("config, drop, message", _params(QWEN2_MOE_UNSUPPORTED))
+def test_qwen2_moe_unsupported_feature_is_one_error(tmp_path, config, drop, message):
+    path = local_checkpoint(tmp_path, "tiny-qwen2-moe", config, None, drop)
+    if not bridge_converts("tiny-qwen2-moe"):
+        message = f"model_type 'qwen2_moe' is not supported by the {current()} bridge"
+    with pytest.raises(UnsupportedModelError) as error:
+        check_model_supported(path)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_qwen2_moe_is_refused_by_name_where_the_bridge_has_none(monkeypatch, capsys):
+    """`mrh parity --model tiny-qwen2-moe` on a bridge without Qwen2-MoE (Megatron-Bridge 0.6.2): exit 2
+    and one line naming the bridge before any world starts; on mbridge the same preflight passes."""
+    import harness.parity.cli as cli
+
+    if bridge_converts("tiny-qwen2-moe"):
+        assert check_model_supported("tiny-qwen2-moe").model_type == "qwen2_moe"
+        return
+    monkeypatch.setattr(cli, "WorldPool", _untouched)
+    assert cli.main(_parity_args("tiny-qwen2-moe")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"not supported by the {current()} bridge" in err, err

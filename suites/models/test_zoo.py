@@ -40,7 +40,7 @@ def test_zoo_names():
     expected = {f"{family}{suffix}" for family in FAMILIES for suffix in ("", "-tied")}
     assert set(list_models()) == expected | {"qwen3-0.6b-shape", "tiny-qwen3-kv4", "tiny-qwen3-hd32", "tiny-llama3",
                                                  "tiny-qwen3-moe", "tiny-qwen3-moe-hd32", "tiny-mixtral",
-                                                 "tiny-qwen3-tied-hd32", "tiny-qwen3-kv4-hd32"}
+                                                 "tiny-qwen3-tied-hd32", "tiny-qwen3-kv4-hd32", "tiny-qwen2-moe"}
     assert list(ZOO) == list_models() == sorted(list_models())
     for name in list_models():
         assert ZOO[name].tied == (name.removesuffix("-hd32").endswith("-tied") or name == "qwen3-0.6b-shape")
@@ -71,6 +71,20 @@ def test_family_features():
         "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
     assert _state("tiny-llama3").keys() == llama.keys()  # only the RoPE differs
+
+
+def test_qwen2_moe_family_features():
+    """Qwen2-MoE: QKV bias, routed experts whose top-k is not renormalised, and a shared expert (4 x the
+    routed width, as Qwen1.5-MoE-A2.7B's) behind a sigmoid gate, hidden -> 1; every layer sparse."""
+    config = load_hf_config("tiny-qwen2-moe")
+    assert config.model_type == "qwen2_moe" and config.qkv_bias and not config.norm_topk_prob
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+            config.shared_expert_intermediate_size) == (4, 2, 32, 128)
+    assert config.decoder_sparse_step == 1 and config.mlp_only_layers == [] and not config.output_router_logits
+    state = _state("tiny-qwen2-moe")
+    assert state["model.layers.0.mlp.shared_expert_gate.weight"].shape == (1, 64)
+    assert state["model.layers.3.mlp.shared_expert.down_proj.weight"].shape == (64, 128)
+    assert any(k.endswith("q_proj.bias") for k in state) and not any("q_norm" in k for k in state)
 
 
 def test_qwen3_0p6b_shape_is_the_real_architecture():

@@ -57,8 +57,8 @@ def _equal_but_optimizer_chaining(diff, source, target) -> tuple[bool, str]:
                f"param group settings equal: {settings[0] == settings[1]}"
 
 
-def _resume_elsewhere(policy, source, target, tmp_path, report):
-    src = train_and_save(policy, source, tmp_path / "src", model=MODEL)
+def _resume_elsewhere(policy, source, target, tmp_path, report, model=MODEL):
+    src = train_and_save(policy, source, tmp_path / "src", model=model)
     diffs = []
 
     def resave_and_diff(resumed):
@@ -73,7 +73,7 @@ def _resume_elsewhere(policy, source, target, tmp_path, report):
     ok, summary = _equal_but_optimizer_chaining(diff, source, target)
     worst = max((m["max_abs"] or float("inf") for m in diff.mismatched.values()), default=0.0)
     report.add("tensors_differing", len(diff.mismatched) + len(diff.missing) + len(diff.extra), tolerance=0,
-               passed=ok, claim="exact", layout=result.pair, model=MODEL, max_abs=worst)
+               passed=ok, claim="exact", layout=result.pair, model=model, max_abs=worst)
     assert ok, summary
     experts = diff_checkpoints(src.directory, tmp_path / "resaved", include=["decoder.layers.mlp.experts.",
                                                                             "optimizer.state.exp_avg.decoder.layers.mlp.experts."])
@@ -90,6 +90,20 @@ def test_moe_resume_at_another_expert_layout_continues_exactly(policy, device, s
 @pytest.mark.layout_pairs(cpu=NIGHTLY_PAIRS)
 def test_moe_resume_at_every_expert_layout_pair(policy, device, source, target, tmp_path, report):
     _resume_elsewhere(policy, source, target, tmp_path, report)
+
+
+@pytest.mark.nightly
+@pytest.mark.layout_pairs(cpu=[("dp2ep2", "tp2-sp"), ("tp2-sp", "dp2ep2")])
+def test_qwen2_moe_resume_at_another_expert_layout(policy, device, source, target, tmp_path, report):
+    """Qwen2-MoE (stack A only): the shared expert (replicated over DP at dp2ep2, split over TP at tp2-sp)
+    and its gate (replicated everywhere) reshard with the routed experts."""
+    from harness.bridge.backends import current
+    from harness.bridge.preflight import bridge_converts
+
+    if not bridge_converts("tiny-qwen2-moe"):
+        pytest.skip(f"the {current()} bridge does not convert tiny-qwen2-moe "
+                    "(suites/bridge/test_preflight.py: refused)")
+    _resume_elsewhere(policy, source, target, tmp_path, report, model="tiny-qwen2-moe")
 
 
 

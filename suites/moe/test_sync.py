@@ -40,3 +40,19 @@ def test_a_synced_engine_equals_the_trained_moe_policy(policy, device, layout, r
 @pytest.mark.layouts(cpu=["dp2ep2", "tp2-sp", "pp2"])
 def test_a_synced_engine_equals_the_trained_moe_policy_elsewhere(policy, device, layout, report):
     test_a_synced_engine_equals_the_trained_moe_policy(policy, device, layout, report)
+
+
+@pytest.mark.nightly
+@pytest.mark.layouts(cpu=["tp2ep2etp1-sp"])
+def test_a_synced_engine_equals_the_trained_qwen2_moe_policy(policy, device, layout, report):
+    """Qwen2-MoE (stack A only): the shared expert and its gate sync with the routed experts."""
+    from harness.bridge.backends import current
+    from harness.bridge.preflight import bridge_converts
+
+    if not bridge_converts("tiny-qwen2-moe"):
+        pytest.skip(f"the {current()} bridge does not convert tiny-qwen2-moe "
+                    "(suites/bridge/test_preflight.py: refused)")
+    result = sync_check(policy, layout, "fp32", device=device, model="tiny-qwen2-moe")
+    _record(report, result)
+    assert result.passed, result.summary()
+    assert straddling_groups(result.report), "no expert group straddles a bucket boundary: buckets too large"

@@ -23,6 +23,33 @@ def test_moe_policy_steps_match_ground_truth_without_expert_parallelism(policy, 
     _check(policy, layout, report, model=MODEL)
 
 
+# Qwen2-MoE (stack A: Megatron-Bridge 0.6.2 has no Qwen2-MoE bridge): its shared expert and sigmoid gate
+# train too (the gate's weight is replicated over TP and reduced there under sequence parallelism).
+# CI: tp2ep2etp1-sp, where the shared expert is split over TP and the routed experts over EP; nightly
+# the rest.
+QWEN2_MOE = "tiny-qwen2-moe"
+
+
+def _qwen2_moe(policy, layout, report):
+    from harness.bridge.backends import current
+    from harness.bridge.preflight import bridge_converts
+
+    if not bridge_converts(QWEN2_MOE):
+        pytest.skip(f"the {current()} bridge does not convert {QWEN2_MOE} (suites/bridge/test_preflight.py: refused)")
+    _check(policy, layout, report, model=QWEN2_MOE)
+
+
+@pytest.mark.layouts(cpu=["tp2ep2etp1-sp"], cuda=["tp1", "tp2ep2etp1-sp"])
+def test_qwen2_moe_policy_steps_match_ground_truth(policy, device, layout, report):
+    _qwen2_moe(policy, layout, report)
+
+
+@pytest.mark.nightly
+@pytest.mark.layouts(cpu=["tp1", "dp2ep2", "tp2-sp", "pp2"], cuda=["dp2ep2", "tp2-sp", "pp2"])
+def test_qwen2_moe_policy_steps_match_ground_truth_at_every_layout(policy, device, layout, report):
+    _qwen2_moe(policy, layout, report)
+
+
 
 def test_expert_grads_over_dp_is_refused_where_the_two_groups_are_one():
     """The variant shows only where the DP group is not the expert-DP group: at tp2ep2etp1-sp on two
