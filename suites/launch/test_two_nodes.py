@@ -10,9 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# nightly: ~45 s on the CI machine (a Ray cluster of two raylets, a world over it, an attached session);
+# CI's Ray coverage is the Ray slice (RAY_SLICE in the Makefile), the same launcher on one node.
+@pytest.mark.nightly
 def test_a_world_spread_over_two_nodes_passes_parity_and_resumes(tmp_path, report):
     out = tmp_path / "found.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
