@@ -5,7 +5,9 @@ models are shaped so that each layout the harness runs is legal (4 layers: PP 1/
 2 KV heads: TP 1/2) and so that bugs show: the vocabulary (251, prime) is not divisible by 2 or 4,
 so Megatron must pad it, and every weight, norms and biases included, is random (see
 `harness.models.randomize`). `qwen3-0.6b-shape` is the real Qwen3-0.6B architecture with random
-weights, for GPU runs.
+weights, for GPU runs; `qwen3-8b-shape` and `qwen3-30b-a3b-shape` are Qwen3-8B and Qwen3-30B-A3B (128
+experts, top-8) at their real widths with 4 layers (issue 37's real shapes; config-checked on the CPU tier,
+built on GPUs only).
 
 Naming: `<family>` is untied, `<family>-tied` ties lm_head to embed_tokens. `tiny-llama3` is
 `tiny-llama` with Llama-3 RoPE scaling whose original window (32) is shorter than its 128 positions;
@@ -124,6 +126,39 @@ _QWEN3_0P6B_SHAPE: dict[str, Any] = dict(
 )
 
 
+# The published Qwen/Qwen3-8B and Qwen/Qwen3-30B-A3B config.json (architecture only) at 4 of their 36 and
+# 48 layers (PP 1/2/4): the real widths, heads, head dims, experts and vocab at a size one GPU holds in fp32
+# (~2.0B and ~3.1B parameters with 4 layers). Issue 37's `-shape` models: the bf16 regimes at real widths.
+SHAPE_LAYERS = 4
+_QWEN3_8B_SHAPE: dict[str, Any] = dict(
+    _QWEN3_0P6B_SHAPE,
+    hidden_size=4096,
+    num_hidden_layers=SHAPE_LAYERS,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=12288,
+    max_window_layers=SHAPE_LAYERS,
+    tie_word_embeddings=False,
+)
+_QWEN3_30B_A3B_SHAPE: dict[str, Any] = dict(
+    _QWEN3_8B_SHAPE,
+    hidden_size=2048,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    router_aux_loss_coef=0.001,
+    output_router_logits=False,
+)
+_QWEN3_30B_A3B_SHAPE.pop("max_window_layers")
+
+
 @dataclass(frozen=True)
 class ZooModel:
     """One zoo entry: an HF config class plus the keyword arguments that define the model."""
@@ -230,6 +265,19 @@ def _build_zoo() -> dict[str, ZooModel]:
         config_class=Qwen3Config,
         config_kwargs=_QWEN3_0P6B_SHAPE,
         description="Qwen3-0.6B architecture (tied), random weights; for GPU runs",
+    ))
+    entries.append(ZooModel(
+        name="qwen3-8b-shape",
+        config_class=Qwen3Config,
+        config_kwargs=_QWEN3_8B_SHAPE,
+        description=f"Qwen3-8B architecture at {SHAPE_LAYERS} layers (untied), random weights; for GPU runs",
+    ))
+    entries.append(ZooModel(
+        name="qwen3-30b-a3b-shape",
+        config_class=Qwen3MoeConfig,
+        config_kwargs=_QWEN3_30B_A3B_SHAPE,
+        description=f"Qwen3-30B-A3B architecture at {SHAPE_LAYERS} layers (128 experts, top-8), random weights; "
+                    "for GPU runs",
     ))
     return {entry.name: entry for entry in sorted(entries, key=lambda e: e.name)}
 

@@ -40,7 +40,8 @@ def test_zoo_names():
     expected = {f"{family}{suffix}" for family in FAMILIES for suffix in ("", "-tied")}
     assert set(list_models()) == expected | {"qwen3-0.6b-shape", "tiny-qwen3-kv4", "tiny-qwen3-hd32", "tiny-llama3",
                                                  "tiny-qwen3-moe", "tiny-qwen3-moe-hd32", "tiny-mixtral",
-                                                 "tiny-qwen3-tied-hd32", "tiny-qwen3-kv4-hd32", "tiny-qwen2-moe"}
+                                                 "tiny-qwen3-tied-hd32", "tiny-qwen3-kv4-hd32", "tiny-qwen2-moe",
+                                                 "qwen3-8b-shape", "qwen3-30b-a3b-shape"}
     assert list(ZOO) == list_models() == sorted(list_models())
     for name in list_models():
         assert ZOO[name].tied == (name.removesuffix("-hd32").endswith("-tied") or name == "qwen3-0.6b-shape")
@@ -95,6 +96,24 @@ def test_qwen3_0p6b_shape_is_the_real_architecture():
             config.vocab_size) == (1024, 28, 16, 8, 128, 3072, 151936)
     assert config.tie_word_embeddings
     assert config.rope_parameters["rope_theta"] == 1_000_000
+
+
+@pytest.mark.parametrize("name, model_type, dims, moe", [
+    # Qwen/Qwen3-8B and Qwen/Qwen3-30B-A3B's published config.json: hidden, heads, KV heads, head_dim,
+    # intermediate, vocab; the experts' (count, top-k, width, renormalised top-k)
+    ("qwen3-8b-shape", "qwen3", (4096, 32, 8, 128, 12288, 151936), None),
+    ("qwen3-30b-a3b-shape", "qwen3_moe", (2048, 32, 4, 128, 6144, 151936), (128, 8, 768, True)),
+])
+def test_the_real_shapes_are_the_published_architectures_at_4_layers(name, model_type, dims, moe):
+    config = load_hf_config(name)  # config only: the weights (2-3B parameters) are built on GPUs
+    assert config.model_type == model_type and config.num_hidden_layers == 4 and not config.tie_word_embeddings
+    assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+            config.intermediate_size, config.vocab_size) == dims
+    assert config.rope_parameters["rope_theta"] == 1_000_000
+    if moe:
+        assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+                config.norm_topk_prob) == moe
+        assert config.decoder_sparse_step == 1 and not config.mlp_only_layers  # every layer sparse
 
 
 @pytest.mark.parametrize("name", TINY)
