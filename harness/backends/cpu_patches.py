@@ -52,6 +52,8 @@ class _CudaToCpuMode(TorchFunctionMode):
             return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
         if "device" in kwargs:
             kwargs["device"] = _map_device(kwargs["device"])
+        if kwargs.get("pin_memory"):  # CP's RoPE slice (get_pos_emb_on_this_cp_rank): no pinned memory here
+            kwargs["pin_memory"] = False
         if func in _DEVICE_FIRST_ARG and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], _CPU, *args[2:])
         return func(*args, **kwargs)

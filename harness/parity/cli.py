@@ -69,7 +69,7 @@ def _preflight(args) -> list:
         size = layout.world_size
         layout = resolve(layout, size)
         validate(layout, size, config)
-        check_backend(layout, args.device, args.spec, args.dtype)  # e.g. CP: TE on CUDA, bf16
+        check_backend(layout, args.device, args.spec, args.dtype, args.packing)  # e.g. CP on TE: bf16
         check_variant(args.variant, layout, config)
         resolved.append(layout)
     return resolved

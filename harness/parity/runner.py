@@ -259,7 +259,7 @@ def run_parity(world, case: ParityCase, *, device: str | None = None, batch: RLB
     path, config = prepare_model(case.model, cache_dir)
     validate(layout, world.size, config)
     spec = resolve_spec(world.spec)  # the world's ranks build the model on it
-    check_backend(layout, device, spec, case.dtype)
+    check_backend(layout, device, spec, case.dtype, case.packing)
     if layout.cp > 1 and case.packing not in CP_PACKINGS:
         raise LayoutError(f"layout {layout.name} with packing {case.packing!r}: context parallelism feeds "
                           f"{', '.join(CP_PACKINGS)} (TE's attention splits causal rows or THD slots, not a mask)")

@@ -651,8 +651,10 @@ def _needs_cp(layout, config) -> str | None:
     return None if layout.cp > 1 else "needs context parallelism (cp >= 2): without it there is no split to get wrong"
 
 
-# Context parallelism (issue 36): CUDA, TE's spec, bf16 only (harness.parallel.layout.check_backend).
-_CP = dict(requires=_needs_cp, default_layout="cp2", dtypes=("bf16",), devices=("cuda",), specs=("te",))
+# Context parallelism (issue 36): TE's spec on CUDA (bf16 only: harness.parallel.layout.check_backend) and
+# the local spec's gathered-kv attention (harness.parallel.cp_attention: the CPU tier, fp32 and bf16).
+_CP = dict(requires=_needs_cp, default_layout="cp2", dtypes=("fp32", "bf16"), devices=("cpu", "cuda"),
+           specs=("local", "te"))
 _CP_ENTRIES = (
     Variant("cp-labels-rolled-after-split", "logprobs", "upstream-bug",
             "the labels (the next token of each position) rolled inside each CP rank's chunks, after the "

@@ -1,9 +1,10 @@
 """Context parallelism's feeding and gathering (harness.logprobs.context_parallel) against
 megatron-core's own split, and the gather's values and gradients, on the CPU tier.
 
-The model under CP runs on CUDA with Transformer Engine only (its GPU tests are the parity and
-training suites' cp layouts); what the harness adds around it is pure tensor code plus one
-all-gather over Megatron's CP group, which gloo runs: which positions each CP rank is fed (the
+The model under CP runs with Transformer Engine's attention on CUDA, or with the local spec's
+gathered-kv attention (harness.parallel.cp_attention, checked here against megatron-core's attention
+on the whole sequence); what the harness adds around it is pure tensor code plus one all-gather over
+Megatron's CP group, which gloo runs: which positions each CP rank is fed (the
 zig-zag chunks megatron-core's `get_batch_on_this_cp_rank` and its RoPE take, per THD slot as its
 `_get_thd_freqs_on_this_cp_rank`), labels rolled before the split, values gathered back in
 sequence order, and a backward that gives each rank the gradient at its own positions once.
@@ -115,3 +116,62 @@ def test_the_cp_variants_break_the_gather(world):
     for _, _, full, grad, own_weights in summed:
         assert full == [[10.0 * p for p in range(12)]]
         assert grad == [[2 * w for w in own_weights[0]]]  # cp x the gradient
+
+
+def _attention_on_cp2():
+    """Under cp2 (gloo), float64: the local spec's gathered-kv attention on this rank's chunks, and
+    megatron-core's DotProductAttention on the whole sequence; outputs and q/k/v gradients."""
+    import copy
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from harness.parallel.cp_attention import attention_class
+    from harness.parallel.state import model_parallel
+
+    with model_parallel("cp2"):
+        config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=4, num_query_groups=2,
+                                   context_parallel_size=2, attention_dropout=0.0, masked_softmax_fusion=False)
+        single = copy.copy(config)
+        single.context_parallel_size = 1
+        length, rank = 12, ps.get_context_parallel_rank()
+        mine = rank_positions(length, None, 2, rank)
+        generator = torch.Generator().manual_seed(0)  # the same whole sequence on both ranks
+        q, k, v, weight = (torch.randn(length, 1, heads, 4, generator=generator, dtype=torch.float64)
+                           for heads in (4, 2, 2, 4))
+        weight = weight.view(length, 1, 16)
+
+        def run(module, q, k, v, weight):
+            q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+            out = module(q, k, v, None)
+            (out * weight).sum().backward()
+            return out.detach(), q.grad, k.grad, v.grad
+
+        ours = run(attention_class()(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                     attention_type="self"), q[mine], k[mine], v[mine], weight[mine])
+        whole = run(DotProductAttention(single, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                        attention_type="self"), q, k, v, weight)
+        return [max((a - b[mine]).abs().max().item() for a, b in zip(ours, whole)),
+                min(b[mine].abs().max().item() for b in whole)]
+
+
+@pytest.mark.world_size(2)
+def test_the_gathered_kv_attention_is_megatrons_attention_on_the_whole_sequence(world):
+    """The local spec's CP attention (harness.parallel.cp_attention): this rank's outputs, and the
+    gradients of its queries, keys and values (summed over the CP ranks whose queries used them),
+    equal DotProductAttention's on the whole sequence at the same positions (float64)."""
+    for worst, smallest in world.run(_attention_on_cp2):
+        assert smallest > 1e-3  # every compared tensor is nonzero at this rank's positions
+        assert worst < 1e-12, worst
+
+
+def test_the_gathered_kv_mask_is_causal_in_global_positions():
+    from harness.parallel.cp_attention import causal_mask
+
+    # cp2, 8 positions: rank 0 holds 0,1,6,7; keys gathered rank-major: 0,1,6,7 | 2,3,4,5
+    mask = causal_mask(4, 2, 0, torch.device("cpu"))[0, 0]
+    keys = [0, 1, 6, 7, 2, 3, 4, 5]
+    for i, query in enumerate([0, 1, 6, 7]):
+        assert [not m for m in mask[i].tolist()] == [key <= query for key in keys]

@@ -51,12 +51,11 @@ def test_a_one_percent_norm_scale_fails_bf16_parity():
     (["--variant", "no-finalize-grads"], "is a training variant"),
     (["--norm-precision", "sloppy"], "invalid choice"),
     (["--layouts", "tp2", "--variant", "dropped-rope-scaling"], "needs a model with Llama-3 RoPE scaling"),
-    # Context parallelism (issue 36): TE's attention on CUDA only, never fp32; its options need a cp layout.
-    (["--layouts", "cp2"], "context parallelism runs on CUDA with Transformer Engine's layer spec only"),
-    (["--layouts", "cp2", "--device", "cuda", "--spec", "local"], "the CPU tier and the local spec have none"),
+    # Context parallelism (issue 36): THD needs TE's attention (the local spec's takes rows); its
+    # options need a cp layout.
+    (["--layouts", "cp2", "--packing", "thd"], "needs --spec te"),
     (["--layouts", "tp2", "--cp-comm-type", "a2a"], "needs a context-parallel layout"),
     (["--layouts", "tp2", "--packing", "thd"], "needs --spec te"),
-    (["--layouts", "cp2", "--variant", "cp-chunks-contiguous"], "shows on cuda only"),
 ])
 def test_bad_input_is_one_clear_error_with_exit_2(args, message, capsys):
     """In process (the end-to-end runs above launch `mrh`): the exit code and the message."""

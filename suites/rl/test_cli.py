@@ -23,7 +23,6 @@ from harness.cli import main
     (["--engine", "vllm"], "the model has 16"),  # vLLM's CPU attention: head_dim >= 32
     (["--engine", "vllm", "--routing-replay"], "routing replay needs a Mixture-of-Experts model"),
     (["--placement", "separate"], "placement 'separate' (the engine on a GPU of its own"),
-    (["--layout", "cp2"], "context parallelism runs on CUDA with Transformer Engine's layer spec only"),
     (["--spec", "te"], "the te layer spec runs on cuda only"),
     (["--engine", "vllm", "--model", "tiny-qwen3-hd32", "--placement", "separate", "--colocate"],
      "colocate (offload and sleep turn by turn on one GPU) needs placement 'colocated'"),

@@ -65,8 +65,8 @@ def _applies(variant_id: str, where: str, dtype: str) -> bool:
 def _places(variant, device: str):
     if device not in variant.devices:
         return []  # e.g. TF32 exists on CUDA only
-    if parse_layout(variant.default_layout.split("->")[0]).cp > 1:
-        return [(variant.default_layout, variant.dtypes)]  # context parallelism: its layout (CUDA, TE, bf16)
+    if parse_layout(variant.default_layout.split("->")[0]).cp > 1:  # context parallelism: its layout;
+        return [(variant.default_layout, variant.dtypes if device == "cpu" else ("bf16",))]  # TE: bf16 only
     places = (CHECKPOINT_WHERE[variant.id] if variant.component == "checkpoint" else
               ROTATION_WHERE if variant.component == "rotation" else
               OFFLOAD_WHERE if variant.component == "offload" else [(w, DTYPES) for w in WHERE[variant.component]])

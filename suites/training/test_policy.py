@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from harness.models import build_hf_model
-from harness.parallel.layout import CP_BACKEND
 from harness.pytest_plugin.worlds import skip_invalid_layout
 from harness.training.invariance import MODEL, compare_to_ground_truth, policy_config
 from harness.training.tolerances import training_tolerance
@@ -79,11 +78,20 @@ def test_bf16_policy_steps_track_the_ground_truth(policy, device, layout, report
     _check(policy, layout, report, dtype="bf16")
 
 
-# Context parallelism (issue 36): every sequence split over the CP ranks; CUDA with TE's spec in bf16
-# only (harness.parallel.layout.check_backend), against the same fp32 ground truth and bf16 bounds.
+# Context parallelism (issue 36): every sequence split over the CP ranks, against the same fp32 ground
+# truth. TE's CP attention on CUDA runs bf16 only (harness.parallel.layout.check_backend): the bf16
+# bounds; the local spec's gathered-kv attention (harness.parallel.cp_attention) runs fp32: the fp32 ones.
 @pytest.mark.layouts(cuda=["cp2", "cp2tp2", "cp2tp2-sp", "cp2dp2", "cp4"])
 def test_bf16_policy_steps_under_context_parallelism_track_the_ground_truth(policy, device, spec, layout, report):
     if spec != "te":
-        pytest.skip(CP_BACKEND)
+        pytest.skip("TE's CP attention (the local spec's: test_policy_steps_under_cp_on_the_local_spec...)")
     _check(policy, layout, report, dtype="bf16")
+
+
+@pytest.mark.layouts(cpu=["cp2", *(pytest.param(name, marks=pytest.mark.nightly)
+                                  for name in ("cp2tp2", "cp2tp2-sp", "cp2dp2", "cp4"))], cuda=["cp2"])
+def test_policy_steps_under_cp_on_the_local_spec_match_ground_truth(policy, device, spec, layout, report):
+    if spec != "local":
+        pytest.skip("the local spec's CP attention (TE's: the bf16 test above)")
+    _check(policy, layout, report)
 
