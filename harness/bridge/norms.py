@@ -174,8 +174,9 @@ def norm_class(norm_precision: str) -> type:
 def local_block_spec(config: Any, *, vp_stage: Optional[int] = None,
                      pp_rank: Optional[int] = None, norm_precision: str = "hf") -> Any:
     """Megatron's local-spec GPT decoder block spec for `config`, with our RMSNorm as every norm:
-    LocalRMSNorm (norm_precision "hf", the default) or FusedRMSNorm ("fused"); under context
-    parallelism the core attention is the harness's gathered-kv attention (harness.parallel.cp_attention).
+    LocalRMSNorm (norm_precision "hf", the default) or FusedRMSNorm ("fused"); the core attention is
+    the harness's subclass of DotProductAttention that also takes CP and packed THD sequences
+    (harness.parallel.cp_attention).
 
     `pp_rank` defaults to Megatron's parallel state (as in get_gpt_decoder_block_spec); pass it to
     build a spec without an initialized parallel state.
@@ -192,10 +193,10 @@ def local_block_spec(config: Any, *, vp_stage: Optional[int] = None,
         extra["pp_rank"] = pp_rank
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                       normalization=config.normalization, **extra)
-    if getattr(config, "context_parallel_size", 1) > 1:  # Megatron's local attention has no CP
-        from harness.parallel.cp_attention import use_gathered_kv_attention
+    # Megatron's local attention takes neither CP nor packed THD sequences: the harness's subclass does.
+    from harness.parallel.cp_attention import use_gathered_kv_attention
 
-        spec = use_gathered_kv_attention(spec)
+    spec = use_gathered_kv_attention(spec, getattr(config, "context_parallel_size", 1))
     return use_local_norms(spec, norm_class(norm_precision))
 
 

@@ -69,9 +69,6 @@ def megatron_logprobs(
 
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
-    if packing == "thd" and bridge_info(models).spec != "te":
-        raise ValueError("packing 'thd' feeds cu_seqlens to Transformer Engine's attention: it needs the te "
-                         "spec (the local spec packs with a block-diagonal mask: 'packed')")
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     local = batch.split(dp_size)[dp_rank]
     cp = ps.get_context_parallel_world_size()

@@ -14,7 +14,10 @@ CP ranks whose queries used it, and keeps this rank's share.
 Its values equal single-rank attention up to the summation order of the softmax (the same keys,
 the same mask): in fp32 a CP layout is then held to the fp32 tolerances, which TE's CP (fp16/bf16
 kernels only) cannot reach. What it does not exercise is TE's ring exchange (p2p, a2a): that is the
-CUDA tier's (`--mrh-spec te`). Right-padded rows only: packed THD sequences need TE.
+CUDA tier's (`--mrh-spec te`). The same class takes packed THD sequences (`packed_seq_params`, with or
+without CP: a block-diagonal causal mask from `cu_seqlens`), which the local DotProductAttention refuses;
+without CP or THD it is megatron-core's DotProductAttention, untouched. Sliding windows under CP or THD
+are refused (its mask is causal only).
 """
 from __future__ import annotations
 
@@ -45,15 +48,22 @@ class _GatherKV(torch.autograd.Function):
         return grad.chunk(ctx.size, dim=0)[ctx.rank].contiguous(), None
 
 
-def causal_mask(local_length: int, cp: int, rank: int, device: torch.device) -> torch.Tensor:
+def causal_mask(local_length: int, cp: int, rank: int, device: torch.device,
+                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """[1, 1, sq, sk] bool, True = masked (Megatron's convention): query i of this rank (global
-    position p_i) sees gathered key j (global position k_j) iff k_j <= p_i."""
-    from harness.logprobs.context_parallel import chunk_positions
+    position p_i) sees gathered key j (global position k_j) iff k_j <= p_i and, in a packed THD row
+    (`cu_seqlens`: the whole row's boundaries), both lie in the same sequence."""
+    from harness.logprobs.context_parallel import rank_positions
 
     length = local_length * cp
-    queries = chunk_positions(length, cp, rank)
-    keys = torch.cat([chunk_positions(length, cp, r) for r in range(cp)])
-    return (keys.unsqueeze(0) > queries.unsqueeze(1)).to(device).view(1, 1, local_length, length)
+    cu = None if cu_seqlens is None else cu_seqlens.cpu()
+    queries = rank_positions(length, cu, cp, rank)
+    keys = torch.cat([rank_positions(length, cu, cp, r) for r in range(cp)])
+    masked = keys.unsqueeze(0) > queries.unsqueeze(1)
+    if cu is not None:
+        segment = lambda positions: torch.searchsorted(cu[1:].long(), positions, right=True)  # noqa: E731
+        masked |= segment(keys).unsqueeze(0) != segment(queries).unsqueeze(1)
+    return masked.to(device).view(1, 1, local_length, length)
 
 
 def attention_class() -> type:
@@ -80,31 +90,39 @@ def _define() -> type:
             single.context_parallel_size = 1
             super().__init__(single, *args, **kwargs)
             self.config = config
-            if self.scale_mask_softmax.window_size is not None:
-                raise NotImplementedError("sliding-window attention under context parallelism on the local spec: "
-                                          "the gathered-kv attention builds a plain causal mask (run it on TE)")
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
-            if packed_seq_params is not None:
-                raise NotImplementedError("packed THD sequences under context parallelism need Transformer "
-                                          "Engine's attention (the local spec's gathered-kv attention takes rows)")
-            if attention_mask is not None:
-                raise NotImplementedError("a mask under context parallelism: CP feeds right-padded rows, "
-                                          "causal only")
             group = parallel_state.get_context_parallel_group()
             cp, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
-            mask = causal_mask(query.size(0), cp, rank, query.device)
-            key, value = _GatherKV.apply(key, group), _GatherKV.apply(value, group)
+            if cp == 1 and packed_seq_params is None:  # megatron-core's own attention, untouched
+                return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, None)
+            if attention_mask is not None:
+                raise NotImplementedError("a mask beside context parallelism or packed sequences: the local spec's "
+                                          "attention builds the causal (and THD) mask itself")
+            if self.scale_mask_softmax.window_size is not None:
+                raise NotImplementedError("sliding-window attention under context parallelism or packed sequences "
+                                          "on the local spec: its mask is causal (and THD) only (run it on TE)")
+            cu = None
+            if packed_seq_params is not None:  # THD: [t, heads, dim], the row's boundaries
+                if packed_seq_params.qkv_format != "thd":
+                    raise NotImplementedError(f"qkv_format {packed_seq_params.qkv_format!r} on the local spec")
+                cu = packed_seq_params.cu_seqlens_q_padded
+                cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+                query, key, value = (t.unsqueeze(1) for t in (query, key, value))
+            mask = causal_mask(query.size(0), cp, rank, query.device, cu)
+            if cp > 1:
+                key, value = _GatherKV.apply(key, group), _GatherKV.apply(value, group)
             return super().forward(query, key, value, mask, attn_mask_type, attention_bias, None)
 
     return GatheredKVAttention
 
 
-def use_gathered_kv_attention(block_spec: Any) -> Any:
+def use_gathered_kv_attention(block_spec: Any, cp: int = 1) -> Any:
     """A copy of a local-spec GPT decoder block spec whose layers' core attention (Megatron's
-    DotProductAttention) is `GatheredKVAttention`; the input spec is not modified. Raises TypeError
-    for a core attention of another class (one this module has not been checked against)."""
+    DotProductAttention) is `GatheredKVAttention` (megatron-core's own arithmetic without CP and
+    packed sequences); the input spec is not modified. A layer with another core attention keeps it,
+    unless `cp > 1` (TypeError: only DotProductAttention has been checked against this module)."""
     import dataclasses
 
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -112,11 +130,13 @@ def use_gathered_kv_attention(block_spec: Any) -> Any:
     replaced: dict[int, Any] = {}
 
     def swap(index: int, layer_spec: Any) -> Any:
-        attention = layer_spec.submodules.self_attention
-        core = attention.submodules.core_attention
+        attention = getattr(layer_spec.submodules, "self_attention", None)
+        core = getattr(getattr(attention, "submodules", None), "core_attention", None)
         if core is not DotProductAttention:
-            raise TypeError(f"layer_specs[{index}]: core attention {getattr(core, '__name__', core)!r} under "
-                            "context parallelism on the local spec (only DotProductAttention is replaced)")
+            if cp > 1:
+                raise TypeError(f"layer_specs[{index}]: core attention {getattr(core, '__name__', core)!r} under "
+                                "context parallelism on the local spec (only DotProductAttention is replaced)")
+            return layer_spec
         submodules = dataclasses.replace(attention.submodules, core_attention=attention_class())
         attention = dataclasses.replace(attention, submodules=submodules)
         return dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer_spec.submodules,

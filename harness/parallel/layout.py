@@ -324,26 +324,20 @@ def resolve(layout: Layout, world_size: int) -> Layout:
 # Where context parallelism runs. megatron-core's own attention for CP is TEDotProductAttention only
 # ("Context parallelism is only supported by TEDotProductAttention"), and of TE's backends only its fused
 # (cuDNN) and flash attention split a sequence over ranks, in fp16/bf16. The local spec (the CPU tier)
-# runs CP with the harness's gathered-kv attention (harness.parallel.cp_attention): every dtype,
-# right-padded rows only.
+# runs CP with the harness's gathered-kv attention (harness.parallel.cp_attention): every dtype, rows
+# and packed THD sequences.
 CP_BACKEND = ("context parallelism runs with Transformer Engine's layer spec on CUDA or with the local spec "
               "(the harness's gathered-kv attention, harness.parallel.cp_attention)")
 # TE's fused and flash attention compute in fp16/bf16; its unfused (fp32) attention has no CP.
 CP_FP32 = ("context parallelism has no fp32 attention in Transformer Engine: its fused and flash attention are "
            "fp16/bf16 only and its unfused attention does not split a sequence; run bf16 (or the local spec)")
-CP_LOCAL_THD = ("packed THD sequences under context parallelism need Transformer Engine's attention: the local "
-                "spec's gathered-kv attention takes right-padded rows (--packing right, or --mrh-spec te on CUDA)")
 
 
 def check_backend(layout: Layout, device: str, spec: str, dtype: str | None = None,
                   packing: str | None = None) -> None:
     """Raise LayoutError where `layout` cannot run on (device, layer spec[, dtype, packing]): before
     any rank starts, one line (the CLIs exit 2 on it)."""
-    if layout.cp == 1:
-        return
-    if spec == "local":
-        if packing == "thd":
-            raise LayoutError(f"layout {layout.name} with packing 'thd' on the local spec: {CP_LOCAL_THD}")
+    if layout.cp == 1 or spec == "local":
         return
     if device != "cuda" or spec != "te":
         raise LayoutError(f"layout {layout.name} on {device} with the {spec} spec: {CP_BACKEND}")

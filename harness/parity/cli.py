@@ -57,8 +57,6 @@ def _preflight(args) -> list:
     if args.spec == "te" and not specs.installed():
         raise ValueError("--spec te needs Transformer Engine: `transformer_engine` is not installed")
     resolve_norm_precision(args.norm_precision, args.spec)
-    if args.packing == "thd" and args.spec != "te":
-        raise ValueError("--packing thd feeds cu_seqlens to Transformer Engine's attention: it needs --spec te")
     if args.cp_comm_type and not any(layout.cp > 1 for layout in layouts):
         raise ValueError(f"--cp-comm-type {args.cp_comm_type} needs a context-parallel layout (cp2, ...)")
     if args.variant and args.device not in get(args.variant).devices:

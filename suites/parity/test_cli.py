@@ -51,11 +51,8 @@ def test_a_one_percent_norm_scale_fails_bf16_parity():
     (["--variant", "no-finalize-grads"], "is a training variant"),
     (["--norm-precision", "sloppy"], "invalid choice"),
     (["--layouts", "tp2", "--variant", "dropped-rope-scaling"], "needs a model with Llama-3 RoPE scaling"),
-    # Context parallelism (issue 36): THD needs TE's attention (the local spec's takes rows); its
-    # options need a cp layout.
-    (["--layouts", "cp2", "--packing", "thd"], "needs --spec te"),
+    # Context parallelism (issue 36): its options need a cp layout.
     (["--layouts", "tp2", "--cp-comm-type", "a2a"], "needs a context-parallel layout"),
-    (["--layouts", "tp2", "--packing", "thd"], "needs --spec te"),
 ])
 def test_bad_input_is_one_clear_error_with_exit_2(args, message, capsys):
     """In process (the end-to-end runs above launch `mrh`): the exit code and the message."""
