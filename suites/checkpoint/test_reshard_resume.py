@@ -156,19 +156,23 @@ def test_without_fully_parallel_save_and_load_the_checkpoint_is_the_same(policy,
 
 
 # Gemma 3 text (issue 37; stack A only: refused by name on Megatron-Bridge 0.6.2): its post-norms (inside
-# linear_proj / linear_fc2, replicated over TP) and zero-centered norms reshard with the rest. CI: pp2 ->
-# tp2 (the tied embedding's two copies under PP become one); nightly tp2 -> dp2 and dp2 -> pp2.
+# linear_proj / linear_fc2, replicated over TP) and zero-centered norms reshard with the rest: pp2 -> tp2
+# (the tied embedding's two copies under PP become one), tp2 -> dp2, dp2 -> pp2. Nightly only: 10.5 s a
+# pair on the CPU tier (2 cores, warm worlds), past the CI's budget for the family; the export path it
+# shares is in CI (suites/rollout/test_sync.py, the Gemma 3 sync at pp2).
 GEMMA3 = "tiny-gemma3"
 
 
-@pytest.mark.layout_pairs(cpu=[("pp2", "tp2"), pytest.param("tp2", "dp2", marks=NIGHTLY),
-                               pytest.param("dp2", "pp2", marks=NIGHTLY)], cuda=[("pp2", "tp2")])
+@pytest.mark.nightly
+@pytest.mark.layout_pairs(cpu=[("pp2", "tp2"), ("tp2", "dp2"), ("dp2", "pp2")], cuda=[("pp2", "tp2")])
 def test_gemma3_resume_at_another_layout_continues_exactly(policy, device, source, target, tmp_path, report):
     from harness.bridge.backends import current
     from harness.bridge.preflight import bridge_converts
 
     if not bridge_converts(GEMMA3):
         pytest.skip(f"the {current()} bridge does not convert {GEMMA3} (suites/bridge/test_preflight.py: refused)")
+    if policy.spec != "local":
+        pytest.skip("harness.bridge.gemma3 builds Gemma 3 on the local spec only (docs/gemma3.md)")
     src = train_and_save(policy, source, tmp_path / "src", model=GEMMA3)
     diffs = []
 

@@ -85,6 +85,8 @@ def test_a_synced_engine_equals_the_trained_gemma3_policy(policy, device, layout
 
     if not bridge_converts("tiny-gemma3"):
         pytest.skip(f"the {current()} bridge does not convert tiny-gemma3 (suites/bridge/test_preflight.py: refused)")
+    if policy.spec != "local":
+        pytest.skip("harness.bridge.gemma3 builds Gemma 3 on the local spec only (docs/gemma3.md)")
     result = sync_check(policy, layout, dtype, device=device, model="tiny-gemma3")
     _record(report, result)
     assert result.passed, result.summary()
