@@ -81,6 +81,13 @@ behaviour it replaces and why:
    CUDA streams, which the CPU tier has none of, refuses the allgather dispatcher, and reorders the
    shared expert's gradient against the router's, megatron-core's own note; its forward is the same
    arithmetic).
+13. Gemma 3 text (mbridge 0.15.1, found here): mbridge registers `gemma3` only, the vision-language
+   Gemma3ForConditionalGeneration (`Gemma3Bridge(VLMBridge)`, `language_model.` names, a SigLIP tower),
+   built from Transformer Engine modules only; `gemma3_text` (Gemma3ForCausalLM: gemma-3-1b, or any
+   Gemma 3's text tower) has no bridge (KeyError in its registry). `make_bridge` builds it with the
+   harness's own `HarnessGemma3TextBridge` (harness.bridge.gemma3: this mixin on mbridge's LLMBridge, with
+   Gemma's zero-centered norms, post-attention/post-feedforward norms, sliding-window layers from
+   `layer_types`, local/global RoPE bases, embedding scale and query_pre_attn_scalar).
 """
 from __future__ import annotations
 
@@ -320,7 +327,12 @@ def make_bridge(path: str | Path, *, dtype: torch.dtype = torch.float32,
         from harness.compat.megatron_core import define_te_general_gemm
 
         define_te_general_gemm()
-    cls = _harness_class(_MODEL_REGISTRY[hf_config.model_type])
+    if hf_config.model_type == "gemma3_text":  # override 13: mbridge registers only the VLM gemma3
+        from harness.bridge.gemma3 import gemma3_bridge_class
+
+        cls = gemma3_bridge_class()
+    else:
+        cls = _harness_class(_MODEL_REGISTRY[hf_config.model_type])
     tp = parallel_state.get_tensor_model_parallel_world_size()
     bridge = cls(hf_config, spec=resolved, sequence_parallel=sequence_parallel, dtype=dtype,
                  norm_precision=resolve_norm_precision(norm_precision, resolved),

@@ -19,7 +19,12 @@ What is refused, and why each would otherwise go wrong without an error:
   router jitter noise (Mixtral `router_jitter_noise`: random routing in training), HF's load-balancing
   loss (`output_router_logits=True`: not megatron-core's per-layer aux loss);
 - hidden_act other than silu (mbridge always builds SwiGLU);
-- sliding-window attention (Megatron's local spec attends to the full causal context);
+- sliding-window attention (Megatron's local spec attends to the full causal context), but Gemma 3's;
+- Gemma 3 text (`gemma3_text`, built by the harness's own pieces on mbridge, harness.bridge.gemma3):
+  an activation other than gelu-tanh, attention or final logit soft-capping, bidirectional attention,
+  attention biases, layer types other than sliding/full, a missing window, a local RoPE other than
+  default, and (`rope_settings`) a global RoPE other than default/llama3 (gemma-3-4b and larger scale
+  theirs linearly: refused); on Megatron-Bridge 0.6.2 refused by name (`BRIDGE_REFUSAL_REASONS`);
 - RoPE types other than default and llama3, and partial rotary (mbridge maps neither);
 - biases Megatron has no slot for: Llama `attention_bias` (its o_proj bias) and `mlp_bias`, Qwen3
   `attention_bias` (the bridges build no bias but Qwen2's q/k/v one);
@@ -37,12 +42,19 @@ from typing import Any, Mapping
 
 from transformers import AutoConfig, PretrainedConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "gemma3_text")
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
 # What each bridge converts: Megatron-Bridge 0.6.2 has no Mixtral bridge ("Model architecture
 # 'MixtralForCausalLM' is not yet supported") and no Qwen2-MoE one (nothing in megatron.bridge.models
 # registers Qwen2MoeForCausalLM; its qwen package has Qwen2, Qwen3, Qwen3-MoE, Qwen3-Next, Qwen3.5).
 BRIDGE_MODEL_TYPES = {"mbridge": SUPPORTED_MODEL_TYPES, "megatron-bridge": ("llama", "qwen2", "qwen3", "qwen3_moe")}
+# Why a bridge refuses a family it has a bridge class for (appended to the refusal).
+BRIDGE_REFUSAL_REASONS = {
+    ("megatron-bridge", "gemma3_text"): "Megatron-Bridge 0.6.2's Gemma3ModelBridge builds Transformer Engine "
+    "modules only (TELayerNormColumnParallelLinear, Gemma3TEDotProductAttention for the sliding window, "
+    "TERowParallelLinearLayerNorm for the post-norms) and picks local layers by a fixed (5, 1) pattern, not "
+    "the checkpoint's layer_types; the harness's own Gemma 3 pieces (harness.bridge.gemma3) run on mbridge",
+}
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # HF checkpoints sometimes carry tensors that are not model weights.
@@ -68,8 +80,12 @@ def rope_parameters(hf_config: PretrainedConfig) -> dict[str, Any]:
 
 
 def rope_settings(hf_config: PretrainedConfig) -> RopeSettings:
-    """The RoPE base and Llama-3 scaling; raises for RoPE variants the bridge would not reproduce."""
+    """The RoPE base and Llama-3 scaling; raises for RoPE variants the bridge would not reproduce.
+    Gemma 3: its global layers' (`rope_parameters["full_attention"]`; the local ones are checked by
+    check_hf_config)."""
     params = rope_parameters(hf_config)
+    if hf_config.model_type == GEMMA3:
+        params = dict(params.get("full_attention") or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
@@ -109,6 +125,36 @@ def _unsupported_biases(hf_config: PretrainedConfig) -> list[str]:
         found.append(f"attention_bias=True ({what} biases: Megatron's layers here have none)")
     if model_type == "llama" and getattr(hf_config, "mlp_bias", False):
         found.append("mlp_bias=True (gate/up/down_proj biases: Megatron's MLP here has none)")
+    return found
+
+
+GEMMA3 = "gemma3_text"
+GEMMA3_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _unsupported_gemma3(hf_config: PretrainedConfig) -> list[str]:
+    """What the harness's Gemma 3 text pieces (harness.bridge.gemma3) do not build."""
+    found = []
+    if getattr(hf_config, "hidden_activation", None) != "gelu_pytorch_tanh":
+        found.append(f"hidden_activation {getattr(hf_config, 'hidden_activation', None)!r}: the bridge builds "
+                     "GeGLU with gelu-tanh (gelu_pytorch_tanh)")
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(hf_config, name, None) is not None:
+            found.append(f"{name}={getattr(hf_config, name)}: soft-capping is not built (no Gemma 3 checkpoint "
+                         "sets it; Gemma 2's)")
+    if getattr(hf_config, "use_bidirectional_attention", False):
+        found.append("use_bidirectional_attention=True: the bridge builds causal attention")
+    if getattr(hf_config, "attention_bias", False):
+        found.append("attention_bias=True: Megatron's layers here have no q/k/v/o biases")
+    layer_types = list(getattr(hf_config, "layer_types", None) or [])
+    if len(layer_types) != hf_config.num_hidden_layers or set(layer_types) - set(GEMMA3_LAYER_TYPES):
+        found.append(f"layer_types {layer_types}: one of {', '.join(GEMMA3_LAYER_TYPES)} per layer")
+    window = getattr(hf_config, "sliding_window", None)
+    if "sliding_attention" in layer_types and not (isinstance(window, int) and window >= 1):
+        found.append(f"sliding_window={window}: sliding-window layers need a window of >= 1 keys")
+    local = dict(rope_parameters(hf_config).get("sliding_attention") or {})
+    if local.get("rope_type", "default") != "default" or local.get("rope_theta") is None:
+        found.append(f"local RoPE {local}: the bridge builds the default RoPE with a rope_theta on local layers")
     return found
 
 
@@ -175,15 +221,21 @@ def _check_model_type(model_type: str | None) -> None:
     except BridgeChoiceError:  # no bridge here at all: the rank side says so when it builds
         return
     if model_type not in BRIDGE_MODEL_TYPES[bridge]:
+        reason = BRIDGE_REFUSAL_REASONS.get((bridge, model_type))
         raise UnsupportedModelError(
             f"model_type {model_type!r} is not supported by the {bridge} bridge "
-            f"(it converts: {', '.join(BRIDGE_MODEL_TYPES[bridge])})")
+            f"(it converts: {', '.join(BRIDGE_MODEL_TYPES[bridge])})" + (f": {reason}" if reason else ""))
 
 
 def check_hf_config(hf_config: PretrainedConfig) -> RopeSettings:
     """Raise UnsupportedModelError for a config feature the Megatron side would drop silently."""
     model_type = hf_config.model_type
     _check_model_type(model_type)
+    if model_type == GEMMA3:
+        gemma = _unsupported_gemma3(hf_config)
+        if gemma:
+            raise UnsupportedModelError(f"{model_type}: {'; '.join(gemma)}")
+        return rope_settings(hf_config)
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"hidden_act {hf_config.hidden_act!r}: mbridge builds SwiGLU (silu)")
     layer_types = set(getattr(hf_config, "layer_types", None) or ["full_attention"])
@@ -207,6 +259,9 @@ def expected_tensor_names(hf_config: PretrainedConfig) -> set[str]:
         names.add("lm_head.weight")
     per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight",
                  *(f"self_attn.{p}_proj.weight" for p in "qkvo")]
+    if hf_config.model_type == GEMMA3:  # the norms before and after the MLP, QK-norm
+        per_layer += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight",
+                      "self_attn.q_norm.weight", "self_attn.k_norm.weight"]
     experts = range(num_experts(hf_config))
     if hf_config.model_type in ("qwen3_moe", "qwen2_moe"):
         per_layer += ["mlp.gate.weight",

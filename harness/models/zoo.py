@@ -21,6 +21,10 @@ split over etp 1/2/4. `tiny-qwen3-moe-hd32` is `tiny-qwen3-moe` with head_dim 32
 `tiny-qwen2-moe` (Qwen2-MoE: QKV bias, 4 experts of width 32, top-2 of a softmax over every expert,
 not renormalised, plus a shared expert of width 128 scaled by a sigmoid gate): stack A only
 (Megatron-Bridge 0.6.2 has no Qwen2-MoE bridge); no head_dim-32 twin (the vLLM suite runs Qwen3-MoE).
+`tiny-gemma3` (Gemma 3 text, `gemma3_text`: zero-centered norms, embedding scale, sliding-window and
+global layers, query_pre_attn_scalar, QK-norm, pre/post-feedforward norms, local/global RoPE bases,
+GeGLU-tanh, tied) and `gemma3-shape` (gemma-3-1b's text dims, 4 layers, random weights; config only in
+CI): stack A only (harness.bridge.gemma3; Megatron-Bridge 0.6.2's Gemma 3 is TE-only).
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ from transformers import (
     Qwen3Config,
     Qwen3MoeConfig,
 )
+from transformers import Gemma3TextConfig
 from transformers.initialization import no_init_weights
 
 from harness.models.randomize import randomize_weights
@@ -88,6 +93,37 @@ _TINY_QWEN2_MOE: dict[str, Any] = dict(
 _TINY_MIXTRAL: dict[str, Any] = dict(
     num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0, sliding_window=None,
     output_router_logits=False,
+)
+
+# Gemma 3 text on the tiny shape, every Gemma 3 feature on: a 3:1 local:global layer pattern (the real
+# models' 5:1, shortened to 4 layers, the global layer last, so that under pp2 the stages' patterns
+# differ: a stage-local layer index would show), a window of 8 keys (the parity batches are up to ~20
+# tokens long, the sync prompts 16: the window cuts most rows), local/global RoPE bases 1e4/1e5 (the real
+# global 1e6 barely rotates in 128 positions, so a swapped base would hide), query_pre_attn_scalar 24
+# (!= head_dim 16: dropping it shows), gelu-tanh GeGLU, QK-norm, tied embeddings, no soft-capping (as
+# every Gemma 3 checkpoint). Its norm weights are zero-centered (`_zero_center_norms`): w ~ 0.1 N(0, 1),
+# so Gemma's scale (1 + w) is drawn as every other zoo norm's scale, and a converter using w itself scales
+# by ~0.1 N(0, 1).
+_TINY_GEMMA3: dict[str, Any] = dict(
+    hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24, sliding_window=8,
+    layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                     "full_attention": {"rope_type": "default", "rope_theta": 100000.0}},
+    final_logit_softcapping=None, attn_logit_softcapping=None, attention_bias=False,
+    use_bidirectional_attention=False,
+)
+# The published google/gemma-3-1b-pt config.json's text dims (hidden 1152, 4 heads, 1 KV head, head_dim
+# 256, query_pre_attn_scalar 256, intermediate 6912, vocab 262144, window 512, pattern 6, bases 1e4 / 1e6)
+# with 4 of its 26 layers (3 local, 1 global); random weights; config-checked only (never built in CI).
+_GEMMA3_1B_SHAPE: dict[str, Any] = dict(
+    hidden_size=1152, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+    intermediate_size=6912, vocab_size=262144, max_position_embeddings=32768, rms_norm_eps=1e-6,
+    hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256, sliding_window=512,
+    layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                     "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+    final_logit_softcapping=None, attn_logit_softcapping=None, attention_bias=False, attention_dropout=0.0,
+    use_bidirectional_attention=False, pad_token_id=0, bos_token_id=2, eos_token_id=1, tie_word_embeddings=True,
 )
 
 # Llama-3.x RoPE scaling (`rope_type: llama3`), scaled down to the tiny shape: Llama 3.1 has an
@@ -261,6 +297,21 @@ def _build_zoo() -> dict[str, ZooModel]:
         description=f"tiny Mixtral (4 experts of width 128, top-2), untied lm_head, vocab {TINY_VOCAB_SIZE}",
     ))
     entries.append(ZooModel(
+        name="tiny-gemma3",
+        config_class=Gemma3TextConfig,
+        config_kwargs={**{k: v for k, v in _TINY_SHAPE.items() if k not in ("hidden_act", "rope_parameters")},
+                       **_TINY_GEMMA3, "tie_word_embeddings": True},
+        description="tiny Gemma 3 text (zero-centered norms, embedding scale, 3 sliding-window layers of 8 keys "
+                    "+ 1 global, local/global RoPE bases, query_pre_attn_scalar 24, QK-norm, post-norms, GeGLU-tanh), "
+                    f"tied lm_head/embed_tokens, vocab {TINY_VOCAB_SIZE}",
+    ))
+    entries.append(ZooModel(
+        name="gemma3-shape",
+        config_class=Gemma3TextConfig,
+        config_kwargs=_GEMMA3_1B_SHAPE,
+        description="gemma-3-1b's text dims (vocab 262144), 4 of its layers, random weights; config only in CI",
+    ))
+    entries.append(ZooModel(
         name="qwen3-0.6b-shape",
         config_class=Qwen3Config,
         config_kwargs=_QWEN3_0P6B_SHAPE,
@@ -328,7 +379,23 @@ def build_hf_model(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.f
         raise RuntimeError(f"{name_or_path}: lm_head is not tied to embed_tokens after tie_weights()")
     # Random values are drawn in float32 whatever `dtype` is, so a bf16 model is the rounded fp32 one.
     randomize_weights(model, seed)
+    if config.model_type in ZERO_CENTERED_NORMS:
+        _zero_center_norms(model)
     return model.to(dtype).eval()
+
+
+# Families whose RMSNorm scales by (1 + w) (HF's Gemma3RMSNorm): a stored w of 0 is the identity.
+ZERO_CENTERED_NORMS = ("gemma3_text",)
+
+
+@torch.no_grad()
+def _zero_center_norms(model: PreTrainedModel) -> None:
+    """w -= 1 for every norm weight (1-D, named *norm.weight): randomize_weights draws a norm's scale
+    ~ 1 + 0.1 N(0, 1), which a zero-centered norm computes as 1 + w; the scales stay those draws, and
+    w itself is the nonzero 0.1 N(0, 1)."""
+    for name, param in model.named_parameters():
+        if param.dim() == 1 and name.endswith("norm.weight"):
+            param.sub_(1.0)
 
 
 def checkpoint_state_dict(model: PreTrainedModel) -> dict[str, torch.Tensor]:

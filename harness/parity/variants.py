@@ -223,10 +223,44 @@ def _drop_shared_expert_gate(models) -> None:
         shared.use_shared_expert_gate = False
 
 
+def _gemma3_modules(models, variant: str, kind: str) -> list[torch.nn.Module]:
+    """This rank's modules of one of harness.bridge.gemma3's kinds; a VariantError if the model
+    has none anywhere (checked on every rank: a pipeline stage may hold none of some kinds)."""
+    from harness.bridge import unwrap_model
+    from harness.bridge.gemma3 import ZeroCenteredRMSNorm
+
+    chunks = unwrap_model(list(models))
+    if not any(type(m).__name__ == "RowParallelLinearPostNorm" for c in chunks for m in c.modules()):
+        raise VariantError(f"variant {variant!r} needs a Gemma 3 text model (harness.bridge.gemma3)")
+    found = {"norm": lambda m: isinstance(m, ZeroCenteredRMSNorm),
+             "embedding": lambda m: type(m).__name__ == "ScaledEmbedding",
+             "attention": lambda m: type(m).__name__ == "SlidingWindowAttention" and m.window is not None}[kind]
+    return [m for c in chunks for m in c.modules() if found(m)]
+
+
+def _gemma_norm_not_zero_centered(models) -> None:
+    """Every Gemma norm computes w * x with HF's w (a plain RMSNorm loaded with Gemma's weights)."""
+    for norm in _gemma3_modules(models, "gemma-norm-not-zero-centered", "norm"):
+        norm.zero_centered = False
+
+
+def _gemma_embed_scale_dropped(models) -> None:
+    """The word embedding not multiplied by sqrt(hidden) (megatron-core's LanguageModelEmbedding)."""
+    for embedding in _gemma3_modules(models, "gemma-embed-scale-dropped", "embedding"):
+        embedding.embed_scale = 1.0
+
+
+def _gemma_sliding_window_ignored(models) -> None:
+    """The sliding-window layers attend to the whole causal context, as the global ones."""
+    for attention in _gemma3_modules(models, "gemma-sliding-window-ignored", "attention"):
+        attention.window = None
+
+
 # Variants that change how the model computes (code and configuration, not the state copy_state
 # carries: how it routes, whether the shared expert is gated): harness.parity.runner applies them to
 # the fp32 evaluation's model too.
-ROUTING = frozenset({"router-in-bf16", "topk-off-by-one", "mixtral-pre-softmax", "shared-expert-gate-dropped"})
+ROUTING = frozenset({"router-in-bf16", "topk-off-by-one", "mixtral-pre-softmax", "shared-expert-gate-dropped",
+                     "gemma-norm-not-zero-centered", "gemma-embed-scale-dropped", "gemma-sliding-window-ignored"})
 
 IMPLEMENTED: dict[str, Callable] = {
     "swapped-experts": _swap_experts,
@@ -234,6 +268,9 @@ IMPLEMENTED: dict[str, Callable] = {
     "topk-off-by-one": _topk_off_by_one,
     "mixtral-pre-softmax": _mixtral_pre_softmax,
     "shared-expert-gate-dropped": _drop_shared_expert_gate,
+    "gemma-norm-not-zero-centered": _gemma_norm_not_zero_centered,
+    "gemma-embed-scale-dropped": _gemma_embed_scale_dropped,
+    "gemma-sliding-window-ignored": _gemma_sliding_window_ignored,
     "swapped-gate-up": _swap_gate_up,
     "wrong-rope-base": _wrong_rope_base,
     "scaled-norm": _scale_norm,

@@ -706,7 +706,52 @@ _QWEN2_MOE = (
             options=_MOE_PARITY),
 )
 
-_ENTRIES = _ENTRIES + _ROTATION + _OFFLOAD + _SYNC + _FP8 + _MOE + _CP_ENTRIES + _QWEN2_MOE
+
+# Gemma 3 text (issue 37): what a converter to megatron-core's modules can leave out without an error
+# (harness.bridge.gemma3 builds each; megatron-core 0.16.1's local spec has none of them). The local spec
+# only: harness.bridge.gemma3 builds Gemma 3 on it alone.
+def _needs_gemma3(layout, config) -> str | None:
+    if config is not None and getattr(config, "model_type", None) != "gemma3_text":
+        return "needs a Gemma 3 text model (gemma3_text, e.g. tiny-gemma3)"
+    return None
+
+
+_GEMMA3 = (
+    Variant("gemma-norm-not-zero-centered", "bridge", "upstream-bug",
+            "Gemma's RMSNorm weights loaded into a plain RMSNorm: every norm (input, post-attention, "
+            "pre/post-feedforward, q/k, final) scales by HF's w where Gemma scales by (1 + w) "
+            "(megatron-core's layernorm_zero_centered_gamma left off, or its torch norm, which refuses it, "
+            "swapped for one that ignores it)",
+            "logprobs off on every token (tiny-gemma3: w ~ 0.1 N(0, 1), so every norm's scale is ~10x too "
+            "small); the model loads and trains without an error",
+            "logprob parity vs HF: every metric",
+            upstream="pytorch/executorch PR 22444 (norm_zero_centered_gamma silently dropped: rms_norm(w * x) "
+                     "for a (w + 1) checkpoint); the class: huggingface/transformers PR 40796 (Gemma's (1 + w) "
+                     "norms initialised around 1, doubling)",
+            requires=_needs_gemma3, default_layout="tp2", model="tiny-gemma3", specs=("local",)),
+    Variant("gemma-embed-scale-dropped", "bridge", "negative-control",
+            "the word embedding not multiplied by sqrt(hidden_size) (megatron-core's LanguageModelEmbedding, "
+            "which has no scale)",
+            "logprobs off on every token (the residual stream starts sqrt(hidden) = 8x too small on "
+            "tiny-gemma3); the model loads and trains without an error",
+            "logprob parity vs HF: every metric",
+            upstream="none found for a trainer; the class: NVIDIA/Megatron-LM PR 1771 (megatron-core has no "
+                     "option to scale the embedding by sqrt(hidden_size): open) and huggingface/transformers "
+                     "PR 37109 (Gemma 3's scale, cast to the weights' dtype)",
+            requires=_needs_gemma3, default_layout="pp2", model="tiny-gemma3", specs=("local",)),
+    Variant("gemma-sliding-window-ignored", "bridge", "upstream-bug",
+            "Gemma 3's sliding-window (local) layers built as global ones: every layer attends to the whole "
+            "causal context",
+            "logprobs off only at positions past the window (sliding_window keys; tiny-gemma3: 8), on every "
+            "sequence longer than it; short prompts match",
+            "logprob parity vs HF on sequences longer than the window: every metric",
+            upstream="vllm-project/vllm PR 14896 (interleaved sliding-window attention not detected: Gemma 3's "
+                     "local layers run global) and PR 21927 (Gemma 3 configs without sliding_window_pattern "
+                     "read as not interleaved)",
+            requires=_needs_gemma3, default_layout="tp2", model="tiny-gemma3", specs=("local",)),
+)
+
+_ENTRIES = _ENTRIES + _ROTATION + _OFFLOAD + _SYNC + _FP8 + _MOE + _CP_ENTRIES + _QWEN2_MOE + _GEMMA3
 
 CATALOG: dict[str, Variant] = {v.id: v for v in _ENTRIES}
 

@@ -70,3 +70,27 @@ def test_bad_sync_input_is_one_clear_error_before_any_work(policy, device, layou
     with pytest.raises(OffloadedError, match="weight sync"):
         sync_weights(p, engine)
     p.reload()
+
+
+# Gemma 3 text (issue 37; stack A only: refused by name on Megatron-Bridge 0.6.2), HF engine: the trained
+# post-norms and zero-centered norms reach the engine under their HF names (post_attention_layernorm,
+# pre/post_feedforward_layernorm), and its logprobs (with the sliding window, the embedding scale) match the
+# trainer's. CI: pp2 in fp32 (the tied embedding under PP, every norm kind, both RoPE bases); nightly the rest.
+@pytest.mark.layouts(cpu=["pp2", pytest.param("tp2", marks=pytest.mark.nightly),
+                          pytest.param("dp2", marks=pytest.mark.nightly)], cuda=["pp2", "tp2"])
+@pytest.mark.parametrize("dtype", ["fp32", pytest.param("bf16", marks=pytest.mark.nightly)])
+def test_a_synced_engine_equals_the_trained_gemma3_policy(policy, device, layout, dtype, report):
+    from harness.bridge.backends import current
+    from harness.bridge.preflight import bridge_converts
+
+    if not bridge_converts("tiny-gemma3"):
+        pytest.skip(f"the {current()} bridge does not convert tiny-gemma3 (suites/bridge/test_preflight.py: refused)")
+    if policy.spec != "local":
+        pytest.skip("harness.bridge.gemma3 builds Gemma 3 on the local spec only (docs/gemma3.md)")
+    result = sync_check(policy, layout, dtype, device=device, model="tiny-gemma3")
+    _record(report, result)
+    assert result.passed, result.summary()
+    names = set(result.report.names)
+    assert {"model.layers.3.post_feedforward_layernorm.weight", "model.layers.0.pre_feedforward_layernorm.weight",
+            "model.layers.2.post_attention_layernorm.weight", "model.layers.1.self_attn.k_norm.weight"} <= names
+    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names

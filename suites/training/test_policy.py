@@ -95,3 +95,37 @@ def test_policy_steps_under_cp_on_the_local_spec_match_ground_truth(policy, devi
         pytest.skip("the local spec's CP attention (TE's: the bf16 test above)")
     _check(policy, layout, report)
 
+
+# Gemma 3 text (issue 37; stack A only: refused by name on Megatron-Bridge 0.6.2). Its pieces train too:
+# the zero-centered norms' w (their grads reduced over TP where partial: QK-norm, sequence parallelism),
+# the post-norms inside linear_proj / linear_fc2, the tied embedding under PP with its scale. CI: tp2;
+# nightly every other layout and bf16.
+GEMMA3 = "tiny-gemma3"
+
+
+def _gemma3(policy, layout, report, **kwargs):
+    from harness.bridge.backends import current
+    from harness.bridge.preflight import bridge_converts
+
+    if not bridge_converts(GEMMA3):
+        pytest.skip(f"the {current()} bridge does not convert {GEMMA3} (suites/bridge/test_preflight.py: refused)")
+    if policy.spec != "local":
+        pytest.skip("harness.bridge.gemma3 builds Gemma 3 on the local spec only (docs/gemma3.md)")
+    _check(policy, layout, report, model=GEMMA3, **kwargs)
+
+
+@pytest.mark.layouts(cpu=["tp2"], cuda=["tp2"])
+def test_gemma3_policy_steps_match_ground_truth(policy, device, layout, report):
+    _gemma3(policy, layout, report)
+
+
+@pytest.mark.nightly
+@pytest.mark.layouts(cpu=["tp1", "dp2", "pp2", "tp2-sp", "tp2pp2"], cuda="all")
+def test_gemma3_policy_steps_match_ground_truth_at_every_layout(policy, device, layout, report):
+    _gemma3(policy, layout, report)
+
+
+@pytest.mark.nightly
+@pytest.mark.layouts(cpu=["tp2", "pp2"], cuda="all")
+def test_gemma3_bf16_policy_steps_track_the_ground_truth(policy, device, layout, report):
+    _gemma3(policy, layout, report, dtype="bf16")
