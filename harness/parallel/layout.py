@@ -361,6 +361,12 @@ def _model_label(model: Any) -> str:
     return f"model {label}" if label else "the given model config"
 
 
+def sliding_window(model: Any) -> Optional[int]:
+    """The model's attention window, None without one (Qwen2's configs carry a window they turn off)."""
+    window = _model_attr(model, "sliding_window", "window_size")
+    return window if window and getattr(model, "use_sliding_window", True) is not False else None
+
+
 def _model_problems(layout: Layout, model: Any) -> list[str]:
     problems: list[str] = []
     heads = _model_attr(model, "num_attention_heads")
@@ -371,6 +377,13 @@ def _model_problems(layout: Layout, model: Any) -> list[str]:
     expert_ffn = _model_attr(model, "moe_ffn_hidden_size", "moe_intermediate_size")
     if experts and expert_ffn is None:  # Mixtral's experts are intermediate_size wide
         expert_ffn = ffn
+
+    # Sliding-window attention (Gemma 3's, harness.bridge.gemma3; gpt-oss's) has no CP in the harness: the
+    # local spec's gathered-kv attention builds a causal mask only, and no windowed model was run on TE's CP.
+    window = sliding_window(model)
+    if layout.cp > 1 and window:
+        problems.append(f"cp={layout.cp} with sliding-window attention (sliding_window={window}): context "
+                        "parallelism runs full causal attention only")
 
     # Attention heads and KV groups are split whole across tp ranks.
     if heads is not None and heads % layout.tp:

@@ -12,7 +12,7 @@ import time
 from harness.bridge import specs
 from harness.bridge.norms import resolve_norm_precision
 from harness.launch import WorldPool
-from harness.parallel.layout import LayoutError, check_backend, parse_layout_list, resolve, validate
+from harness.parallel.layout import LayoutError, check_backend, parse_layout_list, resolve, sliding_window, validate
 from harness.parity.runner import DTYPES, REFERENCES, ParityCase, prepare_model, run_parity
 from harness.parity.variants import check_variant
 from harness.variants import VariantError, get
@@ -57,6 +57,9 @@ def _preflight(args) -> list:
     if args.spec == "te" and not specs.installed():
         raise ValueError("--spec te needs Transformer Engine: `transformer_engine` is not installed")
     resolve_norm_precision(args.norm_precision, args.spec)
+    if args.packing == "thd" and sliding_window(config):
+        raise LayoutError(f"--packing thd with sliding-window attention (sliding_window={sliding_window(config)}): "
+                          "the harness feeds a windowed model rows or a block-diagonal mask")
     if args.cp_comm_type and not any(layout.cp > 1 for layout in layouts):
         raise ValueError(f"--cp-comm-type {args.cp_comm_type} needs a context-parallel layout (cp2, ...)")
     if args.variant and args.device not in get(args.variant).devices:

@@ -33,7 +33,8 @@ from harness.data.rl_batch import RLBatch, standard_parity_batch
 from harness.bridge.norms import resolve_norm_precision
 from harness.bridge.specs import resolve as resolve_spec
 from harness.logprobs.megatron import CP_PACKINGS
-from harness.parallel.layout import Layout, LayoutError, check_backend, parse_layout, resolve, validate
+from harness.parallel.layout import (Layout, LayoutError, check_backend, parse_layout, resolve, sliding_window,
+                                     validate)
 from harness.parallel.state import run_in_layout
 from harness.parity.metrics import compare_logprobs, top1_agreement
 from harness.parity.tolerances import CheckResult, check, regime
@@ -260,6 +261,9 @@ def run_parity(world, case: ParityCase, *, device: str | None = None, batch: RLB
     validate(layout, world.size, config)
     spec = resolve_spec(world.spec)  # the world's ranks build the model on it
     check_backend(layout, device, spec, case.dtype, case.packing)
+    if case.packing == "thd" and sliding_window(config):
+        raise LayoutError(f"packing 'thd' with sliding-window attention (sliding_window={sliding_window(config)}): "
+                          "the harness feeds a windowed model rows or a block-diagonal mask ('packed')")
     if layout.cp > 1 and case.packing not in CP_PACKINGS:
         raise LayoutError(f"layout {layout.name} with packing {case.packing!r}: context parallelism feeds "
                           f"{', '.join(CP_PACKINGS)} (TE's attention splits causal rows or THD slots, not a mask)")

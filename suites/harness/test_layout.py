@@ -586,3 +586,16 @@ def test_etp_times_ep_must_divide_the_ranks_of_a_stage_and_etp_needs_experts() -
         validate(Layout(tp=1, etp=3, dp=3, ep=1), 3, Config(**moe))
     with pytest.raises(LayoutError, match="etp=0 must be None or a positive integer"):
         Layout(etp=0)
+
+
+def test_a_cp_layout_is_refused_for_sliding_window_attention():
+    """CP's attentions here run full causal attention: a windowed model (Gemma 3) is refused before any
+    rank starts; a window the config turns off (Qwen2's use_sliding_window=False) is not one."""
+    from harness.models import load_hf_config
+
+    with pytest.raises(LayoutError, match="sliding-window attention"):
+        validate(parse_layout("cp2"), 2, load_hf_config("tiny-gemma3"))
+    validate(parse_layout("tp2"), 2, load_hf_config("tiny-gemma3"))
+    qwen2 = load_hf_config("tiny-qwen2")
+    qwen2.sliding_window, qwen2.use_sliding_window = 16, False
+    validate(parse_layout("cp2"), 2, qwen2)

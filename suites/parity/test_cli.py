@@ -51,6 +51,8 @@ def test_a_one_percent_norm_scale_fails_bf16_parity():
     (["--variant", "no-finalize-grads"], "is a training variant"),
     (["--norm-precision", "sloppy"], "invalid choice"),
     (["--layouts", "tp2", "--variant", "dropped-rope-scaling"], "needs a model with Llama-3 RoPE scaling"),
+    (["--model", "tiny-gemma3", "--packing", "thd"], "--packing thd with sliding-window attention"),
+    (["--model", "tiny-gemma3", "--layouts", "cp2"], "with sliding-window attention"),
     # Context parallelism (issue 36): its options need a cp layout.
     (["--layouts", "tp2", "--cp-comm-type", "a2a"], "needs a context-parallel layout"),
 ])
