@@ -18,13 +18,13 @@ What is refused, and why each would otherwise go wrong without an error:
   renormalisation), a Qwen2-MoE without its shared expert or its q/k/v biases (mbridge builds both),
   router jitter noise (Mixtral `router_jitter_noise`: random routing in training), HF's load-balancing
   loss (`output_router_logits=True`: not megatron-core's per-layer aux loss);
-- GLM-4.5-MoE (glm4_moe, mbridge only: Megatron-Bridge 0.6.2's GLM45Bridge is not built or checked here,
-  refused by name there) where mbridge's GLM4MoEBridge and megatron-core 0.16.1 would compute otherwise
+- GLM-4.5-MoE (glm4_moe; mbridge's GLM4MoEBridge, and Megatron-Bridge 0.6.2's GLM45Bridge with a
+  workaround, harness.compat.megatron_bridge) where the bridges and megatron-core would compute otherwise
   than HF's Glm4MoeForCausalLM (`_unsupported_glm4_moe`): group-limited routing (n_group or topk_group
-  != 1: the bridge sets no moe_router_num_groups; the published GLM-4.5 configs have 1 and 1), more or
-  fewer than one shared expert (the bridge sizes the shared expert moe_intermediate_size, one expert),
+  != 1: mbridge sets no moe_router_num_groups; the published GLM-4.5 configs have 1 and 1), more or
+  fewer than one shared expert (both bridges size the shared expert moe_intermediate_size, one expert),
   unnormalised top-k scores (megatron-core's sigmoid router renormalises them) or top-1 (megatron-core
-  does not renormalise one score, HF does), no q/k/v biases (the bridge always builds them), every layer
+  does not renormalise one score, HF does), no q/k/v biases (mbridge always builds them), every layer
   dense. MTP layers (`num_nextn_predict_layers`) are ignored explicitly, as HF's causal LM ignores them:
   neither side computes them, and their checkpoint tensors (`model.layers.<num_hidden_layers + i>.*`) are
   not loaded (`glm4_moe_mtp_layers`);
@@ -53,9 +53,10 @@ MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
 # What each bridge converts: Megatron-Bridge 0.6.2 has no Mixtral bridge ("Model architecture
 # 'MixtralForCausalLM' is not yet supported") and no Qwen2-MoE one (nothing in megatron.bridge.models
 # registers Qwen2MoeForCausalLM; its qwen package has Qwen2, Qwen3, Qwen3-MoE, Qwen3-Next, Qwen3.5).
-# GLM-4.5-MoE (issue 37) is converted and tested on mbridge only: Megatron-Bridge 0.6.2 has a GLM45Bridge,
-# but the harness's Megatron-Bridge backend does not build it on the local spec (not checked: refused by name).
-BRIDGE_MODEL_TYPES = {"mbridge": SUPPORTED_MODEL_TYPES, "megatron-bridge": ("llama", "qwen2", "qwen3", "qwen3_moe")}
+# GLM-4.5-MoE (issue 37): mbridge's GLM4MoEBridge (override 16) and Megatron-Bridge's GLM45Bridge (its routed
+# experts' SequentialMLP names added: harness.compat.megatron_bridge.GLM45_LOCAL_EXPERTS).
+BRIDGE_MODEL_TYPES = {"mbridge": SUPPORTED_MODEL_TYPES,
+                      "megatron-bridge": ("llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe")}
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # HF checkpoints sometimes carry tensors that are not model weights.
@@ -177,16 +178,16 @@ def _unsupported_moe(hf_config: PretrainedConfig) -> list[str]:
 
 
 def _unsupported_glm4_moe(hf_config: PretrainedConfig) -> list[str]:
-    """What mbridge 0.15.1's GLM4MoEBridge with megatron-core 0.16.1 (and the harness's override 16) would
-    build otherwise than HF's Glm4MoeForCausalLM."""
+    """What mbridge 0.15.1's GLM4MoEBridge (with the harness's override 16) and Megatron-Bridge 0.6.2's
+    GLM45Bridge would build otherwise than HF's Glm4MoeForCausalLM."""
     found = []
     groups, group_top_k = getattr(hf_config, "n_group", 1), getattr(hf_config, "topk_group", 1)
     if (groups, group_top_k) != (1, 1):
         found.append(f"n_group={groups}, topk_group={group_top_k}: mbridge's GLM4MoEBridge sets no "
-                     "moe_router_num_groups (megatron-core would route over every expert; GLM-4.5's configs have 1, 1)")
+                     "moe_router_num_groups, and the harness builds GLM without groups (GLM-4.5's configs have 1, 1)")
     if getattr(hf_config, "n_shared_experts", None) != 1:
-        found.append(f"n_shared_experts={getattr(hf_config, 'n_shared_experts', None)}: mbridge's GLM4MoEBridge "
-                     "builds one shared expert of width moe_intermediate_size")
+        found.append(f"n_shared_experts={getattr(hf_config, 'n_shared_experts', None)}: both bridges build one "
+                     "shared expert of width moe_intermediate_size")
     if not getattr(hf_config, "norm_topk_prob", True):
         found.append("norm_topk_prob=False: megatron-core's sigmoid router renormalises the top-k scores")
     if hf_config.num_experts_per_tok < 2:

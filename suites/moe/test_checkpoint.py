@@ -106,6 +106,20 @@ def test_qwen2_moe_resume_at_another_expert_layout(policy, device, source, targe
     _resume_elsewhere(policy, source, target, tmp_path, report, model="tiny-qwen2-moe")
 
 
+@pytest.mark.nightly
+@pytest.mark.layout_pairs(cpu=[("dp2ep2", "tp2-sp"), ("tp2-sp", "dp2ep2"), ("dp2ep2", "pp2")])
+def test_glm4_moe_resume_at_another_expert_layout(policy, device, source, target, tmp_path, report):
+    """GLM-4.5-MoE (stack A only): the dense first layer, the shared expert and the routers' expert bias
+    (a buffer: in the checkpoint, never trained) reshard with the routed experts; to pp2 the dense layer
+    and the first sparse one sit on one stage, the other two on the other."""
+    from harness.bridge.backends import current
+    from harness.bridge.preflight import bridge_converts
+
+    if not bridge_converts("tiny-glm4-moe"):
+        pytest.skip(f"the {current()} bridge does not convert tiny-glm4-moe "
+                    "(suites/bridge/test_preflight.py: refused)")
+    _resume_elsewhere(policy, source, target, tmp_path, report, model="tiny-glm4-moe")
+
 
 def _bucket_entries(worker) -> list[int]:
     """Rank function: the parameter entries of each bucket of this rank's DP shard, per optimizer."""
