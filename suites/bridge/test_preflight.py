@@ -287,3 +287,17 @@ def test_glm4_moe_passes_the_preflight_with_its_partial_rope():
 
     assert bridge_converts("tiny-glm4-moe")
     assert rope_settings(check_model_supported("tiny-glm4-moe")).rotary_percent == 0.5
+
+
+def test_glm4_moe_tp_must_divide_the_shared_expert():
+    """tp splits the shared expert as the dense MLP (etp splits only the routed experts): a width tp does not
+    divide is one layout error before any rank starts, even where etp 1 leaves the routed experts whole."""
+    from harness.parallel.layout import LayoutError, parse_layout, resolve, validate
+
+    config = load_hf_config("tiny-glm4-moe")
+    layout = resolve(parse_layout("tp2ep2etp1-sp"), 2)
+    assert validate(layout, 2, config) == layout
+    config.moe_intermediate_size = 33
+    with pytest.raises(LayoutError, match="tp=2 does not divide the shared experts' width=33"):
+        validate(layout, 2, config)
+
