@@ -151,9 +151,11 @@ def _check_every_hf_tensor_is_used(bridge, chunks: list[torch.nn.Module], path: 
     o_proj bias) would be skipped without a word; refuse such a checkpoint instead. (The parent
     checks the same from the tensor names first: harness.bridge.preflight; this is the second guard,
     against the names the Megatron model really maps.)"""
-    from harness.bridge.preflight import checkpoint_tensor_names
+    from harness.bridge.preflight import checkpoint_tensor_names, glm4_moe_mtp_layers
 
-    on_disk = set(checkpoint_tensor_names(path))
+    # GLM-4.5-MoE's MTP layers: ignored explicitly, as the preflight ignores them (neither HF nor we compute them).
+    mtp = tuple(f"model.layers.{layer}." for layer in glm4_moe_mtp_layers(bridge.hf_config))
+    on_disk = {name for name in checkpoint_tensor_names(path) if not name.startswith(mtp)}
     if hasattr(bridge, "unused_hf_tensors"):
         unused = bridge.unused_hf_tensors(chunks, on_disk)
     else:

@@ -88,6 +88,16 @@ behaviour it replaces and why:
    harness's own `HarnessGemma3TextBridge` (harness.bridge.gemma3: this mixin on mbridge's LLMBridge, with
    Gemma's zero-centered norms, post-attention/post-feedforward norms, sliding-window layers from
    `layer_types`, local/global RoPE bases, embedding scale and query_pre_attn_scalar).
+16. GLM-4.5-MoE (mbridge 0.15.1's GLM4MoEBridge with transformers 5, found here): its `_get_gptmodel_args`
+   reads `hf_config.rope_theta` (AttributeError in transformers 5, as override 4), and override 4's
+   replacement dropped the bridge's `rotary_percent`: GLM's partial RoPE (`partial_rotary_factor` 0.5: HF
+   rotates the first half of each head and passes the rest through) would run on every dim of the head (the
+   catalog's `glm-partial-rope-full-head`; stock, the preflight refused any partial_rotary_factor). We pass
+   `rotary_percent` from `harness.bridge.preflight.rope_settings`. The bridge's
+   `moe_shared_expert_overlap=True` is off (CUDA streams, as override 12), and its
+   `moe_router_load_balancing_type="seq_aux_loss"` gives way to MOE_TRAINING_SETTINGS (none, as HF trains
+   with output_router_logits off); its expert bias is loaded (`mlp.router.expert_bias`, a buffer in the
+   state dict) and never updated (`moe_router_bias_update_rate` 0, the bridge's own).
 """
 from __future__ import annotations
 
@@ -132,6 +142,8 @@ _MOE_LOCAL_FUSIONS_OFF = {name: False for name in (
     "gradient_accumulation_fusion")}
 # Qwen2-MoE's shared expert as HF computes it (override 12): its sigmoid gate on, no stream overlap.
 QWEN2_MOE_SHARED_EXPERT = {"moe_shared_expert_gate": True, "moe_shared_expert_overlap": False}
+# GLM-4.5-MoE's shared expert without stream overlap (override 16): CUDA streams, which the CPU tier lacks.
+GLM4_MOE_SETTINGS = {"moe_shared_expert_overlap": False, "moe_router_bias_update_rate": 0.0}
 # SequentialMLP's experts (the local spec) -> TEGroupedMLP's names, which mbridge maps (override 8).
 _LOCAL_EXPERT = re.compile(r"(.*\.mlp\.experts)\.local_experts\.(\d+)\.(linear_fc[12])\.weight")
 
@@ -161,6 +173,8 @@ class HarnessBridgeMixin:
             self.set_extra_args(moe_router_pre_softmax=False)
         if hf_config.model_type == "qwen2_moe":  # override 12
             self.set_extra_args(**QWEN2_MOE_SHARED_EXPERT)
+        if hf_config.model_type == "glm4_moe":  # override 16
+            self.set_extra_args(**GLM4_MOE_SETTINGS)
 
     def _build_base_config(self, text_config_key: Optional[str] = None, **kwargs: Any):
         # Ours go in as keyword overrides, so mbridge's set_extra_args (applied last) still wins.
@@ -240,6 +254,8 @@ class HarnessBridgeMixin:
         )
         if rope.llama3:
             args.update(rope_scaling=True, rope_scaling_factor=float(rope.llama3["factor"]))
+        if rope.rotary_percent != 1.0:  # override 16: GLM-4.5-MoE's partial RoPE
+            args.update(rotary_percent=rope.rotary_percent)
         return args
 
     def _model_provider(self, post_model_creation_callbacks, *args: Any, **kwargs: Any):

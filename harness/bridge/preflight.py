@@ -18,6 +18,16 @@ What is refused, and why each would otherwise go wrong without an error:
   renormalisation), a Qwen2-MoE without its shared expert or its q/k/v biases (mbridge builds both),
   router jitter noise (Mixtral `router_jitter_noise`: random routing in training), HF's load-balancing
   loss (`output_router_logits=True`: not megatron-core's per-layer aux loss);
+- GLM-4.5-MoE (glm4_moe; mbridge's GLM4MoEBridge, and Megatron-Bridge 0.6.2's GLM45Bridge with a
+  workaround, harness.compat.megatron_bridge) where the bridges and megatron-core would compute otherwise
+  than HF's Glm4MoeForCausalLM (`_unsupported_glm4_moe`): group-limited routing (n_group or topk_group
+  != 1: mbridge sets no moe_router_num_groups; the published GLM-4.5 configs have 1 and 1), more or
+  fewer than one shared expert (both bridges size the shared expert moe_intermediate_size, one expert),
+  unnormalised top-k scores (megatron-core's sigmoid router renormalises them) or top-1 (megatron-core
+  does not renormalise one score, HF does), no q/k/v biases (mbridge always builds them), every layer
+  dense. MTP layers (`num_nextn_predict_layers`) are ignored explicitly, as HF's causal LM ignores them:
+  neither side computes them, and their checkpoint tensors (`model.layers.<num_hidden_layers + i>.*`) are
+  not loaded (`glm4_moe_mtp_layers`);
 - hidden_act other than silu (mbridge always builds SwiGLU);
 - sliding-window attention (Megatron's local spec attends to the full causal context), but Gemma 3's;
 - Gemma 3 text (`gemma3_text`, built by the harness's own pieces on mbridge, harness.bridge.gemma3):
@@ -25,7 +35,8 @@ What is refused, and why each would otherwise go wrong without an error:
   attention biases, layer types other than sliding/full, a missing window, a local RoPE other than
   default, and (`rope_settings`) a global RoPE other than default/llama3 (gemma-3-4b and larger scale
   theirs linearly: refused); on Megatron-Bridge 0.6.2 refused by name (`BRIDGE_REFUSAL_REASONS`);
-- RoPE types other than default and llama3, and partial rotary (mbridge maps neither);
+- RoPE types other than default and llama3, and partial rotary but GLM-4.5-MoE's (mbridge maps neither
+  elsewhere; GLM's `partial_rotary_factor` becomes megatron-core's `rotary_percent`, `RopeSettings.rotary_percent`);
 - biases Megatron has no slot for: Llama `attention_bias` (its o_proj bias) and `mlp_bias`, Qwen3
   `attention_bias` (the bridges build no bias but Qwen2's q/k/v one);
 - a checkpoint whose tensors are not exactly the ones the Megatron model loads (an extra tensor
@@ -42,12 +53,15 @@ from typing import Any, Mapping
 
 from transformers import AutoConfig, PretrainedConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "gemma3_text")
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "gemma3_text", "glm4_moe")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
 # What each bridge converts: Megatron-Bridge 0.6.2 has no Mixtral bridge ("Model architecture
 # 'MixtralForCausalLM' is not yet supported") and no Qwen2-MoE one (nothing in megatron.bridge.models
 # registers Qwen2MoeForCausalLM; its qwen package has Qwen2, Qwen3, Qwen3-MoE, Qwen3-Next, Qwen3.5).
-BRIDGE_MODEL_TYPES = {"mbridge": SUPPORTED_MODEL_TYPES, "megatron-bridge": ("llama", "qwen2", "qwen3", "qwen3_moe")}
+# GLM-4.5-MoE (issue 37): mbridge's GLM4MoEBridge (override 16) and Megatron-Bridge's GLM45Bridge (its routed
+# experts' SequentialMLP names added: harness.compat.megatron_bridge.GLM45_LOCAL_EXPERTS).
+BRIDGE_MODEL_TYPES = {"mbridge": SUPPORTED_MODEL_TYPES,
+                      "megatron-bridge": ("llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe")}
 # Why a bridge refuses a family it has a bridge class for (appended to the refusal).
 BRIDGE_REFUSAL_REASONS = {
     ("megatron-bridge", "gemma3_text"): "Megatron-Bridge 0.6.2's Gemma3ModelBridge builds Transformer Engine "
@@ -71,6 +85,12 @@ class RopeSettings:
 
     theta: float
     llama3: Mapping[str, float] | None = None  # LLAMA3_ROPE_KEYS -> value, for rope_type llama3
+    rotary_percent: float = 1.0  # the rotated fraction of each head (GLM-4.5-MoE's partial_rotary_factor)
+
+
+# Partial rotary (RoPE on the first `partial_rotary_factor` of each head, the rest passed through): GLM-4.5-MoE
+# only, where HF and megatron-core's `rotary_percent` rotate the same dims (the first ones, rotate-half pairs).
+PARTIAL_ROTARY_MODEL_TYPES = ("glm4_moe",)
 
 
 def rope_parameters(hf_config: PretrainedConfig) -> dict[str, Any]:
@@ -92,14 +112,30 @@ def rope_settings(hf_config: PretrainedConfig) -> RopeSettings:
             f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)}): "
             "the bridge would build another RoPE and silently differ from HF")
     partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
-    if partial not in (None, 1, 1.0):
+    if partial not in (None, 1, 1.0) and hf_config.model_type not in PARTIAL_ROTARY_MODEL_TYPES:
         raise UnsupportedModelError(f"partial_rotary_factor {partial}: mbridge rotates the whole head")
+    rotary_percent = _rotary_percent(hf_config, partial)
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
     if theta is None:
         raise UnsupportedModelError("the HF config has no rope_theta (in rope_parameters or top level)")
+    if rotary_percent != 1.0 and rope_type != "default":
+        raise UnsupportedModelError(f"partial_rotary_factor {partial} with rope type {rope_type!r}: only the "
+                                    "default RoPE is built on part of the head")
     if rope_type == "default":
-        return RopeSettings(float(theta))
+        return RopeSettings(float(theta), rotary_percent=rotary_percent)
     return RopeSettings(float(theta), _llama3_values(params))
+
+
+def _rotary_percent(hf_config: PretrainedConfig, partial: Any) -> float:
+    """GLM-4.5-MoE's partial_rotary_factor as megatron-core's rotary_percent: HF rotates
+    int(head_dim x factor) dims, megatron-core int(kv_channels x rotary_percent); both need an even count."""
+    if partial in (None, 1, 1.0):
+        return 1.0
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    if not isinstance(partial, (int, float)) or not 0 < partial < 1 or (head_dim * partial) % 2:
+        raise UnsupportedModelError(f"partial_rotary_factor {partial} with head_dim {head_dim}: the rotated dims "
+                                    "must be a positive even number below head_dim")
+    return float(partial)
 
 
 def _llama3_values(params: Mapping[str, Any]) -> dict[str, float]:
@@ -120,7 +156,7 @@ def _llama3_values(params: Mapping[str, Any]) -> dict[str, float]:
 def _unsupported_biases(hf_config: PretrainedConfig) -> list[str]:
     model_type = hf_config.model_type
     found = []
-    if model_type != "qwen2" and getattr(hf_config, "attention_bias", False):
+    if model_type not in ("qwen2", "glm4_moe") and getattr(hf_config, "attention_bias", False):
         what = "o_proj" if model_type == "llama" else "q/k/v/o_proj"
         found.append(f"attention_bias=True ({what} biases: Megatron's layers here have none)")
     if model_type == "llama" and getattr(hf_config, "mlp_bias", False):
@@ -176,6 +212,8 @@ def _unsupported_moe(hf_config: PretrainedConfig) -> list[str]:
                          "shared expert")
         if not getattr(hf_config, "qkv_bias", True):
             found.append("qkv_bias=False: mbridge's Qwen2MoEBridge always builds q/k/v biases")
+    if hf_config.model_type == "glm4_moe":
+        found += _unsupported_glm4_moe(hf_config)
     if getattr(hf_config, "output_router_logits", False):
         found.append("output_router_logits=True (HF trains with its load-balancing loss over every layer at "
                      "once; megatron-core's aux loss is per layer, another loss: the harness trains MoE models "
@@ -183,6 +221,40 @@ def _unsupported_moe(hf_config: PretrainedConfig) -> list[str]:
     if hf_config.model_type == "mixtral" and getattr(hf_config, "router_jitter_noise", 0.0):
         found.append(f"router_jitter_noise={hf_config.router_jitter_noise}: Megatron's router adds no jitter")
     return found
+
+
+def _unsupported_glm4_moe(hf_config: PretrainedConfig) -> list[str]:
+    """What mbridge 0.15.1's GLM4MoEBridge (with the harness's override 16) and Megatron-Bridge 0.6.2's
+    GLM45Bridge would build otherwise than HF's Glm4MoeForCausalLM."""
+    found = []
+    groups, group_top_k = getattr(hf_config, "n_group", 1), getattr(hf_config, "topk_group", 1)
+    if (groups, group_top_k) != (1, 1):
+        found.append(f"n_group={groups}, topk_group={group_top_k}: mbridge's GLM4MoEBridge sets no "
+                     "moe_router_num_groups, and the harness builds GLM without groups (GLM-4.5's configs have 1, 1)")
+    if getattr(hf_config, "n_shared_experts", None) != 1:
+        found.append(f"n_shared_experts={getattr(hf_config, 'n_shared_experts', None)}: both bridges build one "
+                     "shared expert of width moe_intermediate_size")
+    if not getattr(hf_config, "norm_topk_prob", True):
+        found.append("norm_topk_prob=False: megatron-core's sigmoid router renormalises the top-k scores")
+    if hf_config.num_experts_per_tok < 2:
+        found.append(f"num_experts_per_tok={hf_config.num_experts_per_tok}: megatron-core's sigmoid router does "
+                     "not renormalise a single score, HF does")
+    if not getattr(hf_config, "attention_bias", False):
+        found.append("attention_bias=False: mbridge's GLM4MoEBridge always builds q/k/v biases")
+    if getattr(hf_config, "first_k_dense_replace", 0) >= hf_config.num_hidden_layers:
+        found.append(f"first_k_dense_replace={hf_config.first_k_dense_replace} makes every one of the "
+                     f"{hf_config.num_hidden_layers} layers dense")
+    return found
+
+
+def glm4_moe_mtp_layers(hf_config: PretrainedConfig) -> range:
+    """The layer indices of GLM-4.5-MoE's MTP modules in its checkpoint (after the decoder's layers): HF's
+    causal LM computes none (transformers ignores their tensors on load), nor does the harness (mbridge's
+    GLM4MoEBridge sets no mtp_num_layers): ignored explicitly, never loaded, never exported."""
+    if getattr(hf_config, "model_type", None) != "glm4_moe":
+        return range(0)
+    layers = hf_config.num_hidden_layers
+    return range(layers, layers + int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0))
 
 
 # What both bridges set on a MoE model, whatever they default to (mbridge: no load balancing;
@@ -257,6 +329,8 @@ def expected_tensor_names(hf_config: PretrainedConfig) -> set[str]:
     names = {"model.embed_tokens.weight", "model.norm.weight"}
     if not getattr(hf_config, "tie_word_embeddings", False):
         names.add("lm_head.weight")
+    if hf_config.model_type == "glm4_moe":
+        return _glm4_moe_tensor_names(hf_config, names)
     per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight",
                  *(f"self_attn.{p}_proj.weight" for p in "qkvo")]
     if hf_config.model_type == GEMMA3:  # the norms before and after the MLP, QK-norm
@@ -283,6 +357,24 @@ def expected_tensor_names(hf_config: PretrainedConfig) -> set[str]:
     return names
 
 
+def _glm4_moe_tensor_names(hf_config: PretrainedConfig, names: set[str]) -> set[str]:
+    """GLM-4.5-MoE's: q/k/v biases, QK-norm if on, the first first_k_dense_replace layers dense, the rest
+    sparse with the router's e_score_correction_bias and the (ungated) shared expert."""
+    attention = ["input_layernorm.weight", "post_attention_layernorm.weight",
+                 *(f"self_attn.{p}_proj.weight" for p in "qkvo"), *(f"self_attn.{p}_proj.bias" for p in "qkv")]
+    if getattr(hf_config, "use_qk_norm", False):
+        attention += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    dense = [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+    sparse = ["mlp.gate.weight", "mlp.gate.e_score_correction_bias",
+              *(f"mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")),
+              *(f"mlp.experts.{e}.{p}_proj.weight" for e in range(num_experts(hf_config))
+                for p in ("gate", "up", "down"))]
+    for layer in range(hf_config.num_hidden_layers):
+        mlp = dense if layer < hf_config.first_k_dense_replace else sparse
+        names.update(f"model.layers.{layer}.{name}" for name in attention + mlp)
+    return names
+
+
 def checkpoint_tensor_names(path: Path) -> set[str]:
     """Every tensor name of a safetensors checkpoint dir, from its index or the file headers only."""
     from safetensors import safe_open
@@ -300,7 +392,8 @@ def checkpoint_tensor_names(path: Path) -> set[str]:
 def check_checkpoint_tensors(path: Path, hf_config: PretrainedConfig) -> None:
     """The checkpoint holds exactly the tensors the Megatron model loads (a tied model may also
     store lm_head.weight; non-weights such as rotary_emb.inv_freq are ignored)."""
-    on_disk = {n for n in checkpoint_tensor_names(path) if not n.endswith(NOT_WEIGHTS)}
+    mtp = tuple(f"model.layers.{layer}." for layer in glm4_moe_mtp_layers(hf_config))  # ignored explicitly
+    on_disk = {n for n in checkpoint_tensor_names(path) if not n.endswith(NOT_WEIGHTS) and not n.startswith(mtp)}
     expected = expected_tensor_names(hf_config)
     tolerated = {"lm_head.weight"} if getattr(hf_config, "tie_word_embeddings", False) else set()
     extra = sorted(on_disk - expected - tolerated)

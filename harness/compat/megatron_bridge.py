@@ -16,6 +16,15 @@
   "Shape mismatch for megatron param embedding.word_embeddings.weight" (0.6.2, seen 2026-11-24).
   Wrapped: at TP 1 those two tensors are padded with zero rows as the TP > 1 path does.
 
+- `GLM45_LOCAL_EXPERTS` (issue 37, found here): `GLM45Bridge.mapping_registry` maps GLM-4.5-MoE's routed
+  experts by TEGroupedMLP's names only (`mlp.experts.linear_fc1.weight<e>`), where Qwen3-MoE's bridge also
+  maps SequentialMLP's (`mlp.experts.local_experts.<e>.linear_fc1.weight`). On the local spec (SequentialMLP:
+  the CPU tier) no conversion task reads the checkpoint's experts, Megatron-Bridge only warns, and the
+  experts keep whatever they were built with (`perform_initialization` off: garbage); the harness's
+  every-tensor-used guard refused the tiny model naming all 36 expert tensors. Wrapped: the two SequentialMLP
+  mappings Qwen3-MoE's bridge has, for a checkpoint that stores its experts one by one (the harness's; a
+  fused one is refused).
+
 On another version `require` raises before anything changes (harness.compat.megatron_core says why
 a gate and not a warning).
 """
@@ -97,6 +106,39 @@ def _pad_vocab_at_tp1() -> None:
 
     hf_to_megatron.harness_workaround = TP1_VOCAB_PAD.name
     mapping.hf_to_megatron = hf_to_megatron
+
+
+GLM45_LOCAL_EXPERTS = Workaround(
+    "bridge-glm45-local-experts", "GLM45Bridge maps the routed experts by TEGroupedMLP's names only: on the "
+    "local spec (SequentialMLP) no conversion task loads them (a warning; the experts stay as built)", ("0.6.2",))
+
+
+def add_glm45_local_expert_mappings() -> None:
+    """`GLM45_LOCAL_EXPERTS`: SequentialMLP's expert mappings added to GLM45Bridge's registry."""
+    from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
+    from megatron.bridge.models.conversion.param_mapping import AutoMapping, GatedMLPMapping
+    from megatron.bridge.models.glm.glm45_bridge import GLM45Bridge
+
+    if getattr(GLM45Bridge.mapping_registry, "harness_workaround", None) == GLM45_LOCAL_EXPERTS.name:
+        return
+    require(GLM45_LOCAL_EXPERTS)
+    stock = GLM45Bridge.mapping_registry
+
+    def mapping_registry(self):
+        registry = stock(self)
+        if self._uses_fused_experts():
+            raise NotImplementedError("GLM-4.5-MoE with fused expert tensors (mlp.experts.gate_up_proj) on the local "
+                                      "spec: the harness maps checkpoints that store their experts one by one")
+        return MegatronMappingRegistry(*registry.mappings, GatedMLPMapping(
+            megatron_param="decoder.layers.*.mlp.experts.local_experts.*.linear_fc1.weight",
+            gate="model.layers.*.mlp.experts.*.gate_proj.weight", up="model.layers.*.mlp.experts.*.up_proj.weight",
+        ), AutoMapping(
+            megatron_param="decoder.layers.*.mlp.experts.local_experts.*.linear_fc2.weight",
+            hf_param="model.layers.*.mlp.experts.*.down_proj.weight",
+        ))
+
+    mapping_registry.harness_workaround = GLM45_LOCAL_EXPERTS.name
+    GLM45Bridge.mapping_registry = mapping_registry
 
 
 class _InertMeta(type):

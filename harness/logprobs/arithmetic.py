@@ -37,7 +37,14 @@ models and the Qwen3-0.6B shape, CPU and H100):
    - a shared expert (Qwen2-MoE: megatron-core's SharedExpertMLP, computed before the router with the
      stream overlap off) is the dense MLP under the dense tensor parallelism `tp` (linear_fc2's rounded
      partial sums over the TP ranks), its output times the sigmoid of its gate's logit (a [1, hidden]
-     GEMM and the sigmoid, both in the activation dtype, as HF's), added to the routed experts' sum.
+     GEMM and the sigmoid, both in the activation dtype, as HF's), added to the routed experts' sum;
+   - a sigmoid router with an expert-score bias (GLM-4.5-MoE, `Glm4MoeTopkRouter`; megatron-core's
+     `moe_router_score_function="sigmoid"` with `moe_router_dtype="fp32"`, what mbridge's GLM4MoEBridge
+     sets): the logits in float32 (the activation and the weight upcast, as HF's), their sigmoid, the top
+     k of sigmoid + e_score_correction_bias, the chosen sigmoids renormalised (+1e-20) and scaled by
+     routed_scaling_factor, all in float32; each expert scales its activation by that float32 weight and
+     rounds (MLP's per_token_scale). GLM's shared experts (`shared_experts`, no gate) are the dense MLP
+     under `tp`, added to the routed sum (HF adds them last: a + b == b + a).
 
 The norms are matched the other way round: the harness's own local-spec RMSNorm rounds as HF does
 (harness.bridge.norms). In float32 the arrangements change nothing measurable (~1e-7).
@@ -137,11 +144,19 @@ class MegatronRoundedMoE(nn.Module):
         # HF's Qwen2-MoE router with norm_topk_prob False: the top k of the softmax, not renormalised
         # (megatron-core's pre-softmax router); Qwen3-MoE's and Mixtral's renormalise them.
         self.pre_softmax = not getattr(block.gate, "norm_topk_prob", True)
+        # GLM-4.5-MoE's router: a sigmoid plus e_score_correction_bias (module docstring, 4).
+        self.sigmoid_router = hasattr(block.gate, "e_score_correction_bias")
+        if self.sigmoid_router and getattr(block.gate, "num_group", 1) != 1:
+            raise ValueError(f"{type(block).__name__}: group-limited routing (n_group "
+                             f"{block.gate.num_group}) is not arranged")
         shared = getattr(block, "shared_expert", None)
         self.shared_expert, self.shared_expert_gate = shared, getattr(block, "shared_expert_gate", None)
-        if shared is not None:
+        if shared is None and getattr(block, "shared_experts", None) is not None:  # GLM's, ungated
+            shared = self.shared_expert = block.shared_experts
+        elif shared is not None:
             if not isinstance(self.shared_expert_gate, nn.Linear):
                 raise TypeError(f"{type(block).__name__}: a shared expert without its nn.Linear shared_expert_gate")
+        if shared is not None:
             for name, partitions_ in (("gate_proj", 1), ("up_proj", 1), ("down_proj", tp)):
                 setattr(shared, name, MegatronRoundedLinear(getattr(shared, name), partitions_))
 
@@ -161,13 +176,10 @@ class MegatronRoundedMoE(nn.Module):
         tokens = hidden_states.reshape(-1, shape[-1])
         # Megatron computes the shared expert first (before the router, stream overlap off).
         shared = None if self.shared_expert is None else self._shared(tokens)
-        logits = F.linear(tokens, self.gate.weight)
-        if self.pre_softmax:  # topk_routing_with_score_function, use_pre_softmax
-            scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
-            weights, chosen = torch.topk(scores, k=self.top_k, dim=1)
+        if self.sigmoid_router:
+            weights, chosen = self._sigmoid_route(tokens)
         else:
-            top, chosen = torch.topk(logits, k=self.top_k, dim=1)
-            weights = torch.softmax(top, dim=-1, dtype=torch.float32).type_as(logits)
+            weights, chosen = self._softmax_route(tokens)
         out = torch.zeros_like(tokens)
         for e in range(self.experts.gate_up_proj.shape[0]):
             rows, slot = torch.where(chosen == e)
@@ -177,10 +189,33 @@ class MegatronRoundedMoE(nn.Module):
             out = out + shared
         return out.reshape(shape)
 
+    def _sigmoid_route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """megatron-core's sigmoid top-k with expert bias, router in float32 (module docstring, 4)."""
+        gate = self.gate
+        logits = F.linear(tokens.float(), gate.weight.float())
+        scores = torch.sigmoid(logits)
+        _, chosen = torch.topk(scores + gate.e_score_correction_bias.float(), k=self.top_k, dim=1)
+        weights = torch.gather(scores, 1, chosen)
+        if gate.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * gate.routed_scaling_factor, chosen
+
+    def _softmax_route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(tokens, self.gate.weight)
+        if self.pre_softmax:  # topk_routing_with_score_function, use_pre_softmax
+            scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
+            weights, chosen = torch.topk(scores, k=self.top_k, dim=1)
+        else:
+            top, chosen = torch.topk(logits, k=self.top_k, dim=1)
+            weights = torch.softmax(top, dim=-1, dtype=torch.float32).type_as(logits)
+        return weights, chosen
+
     def _shared(self, tokens: torch.Tensor) -> torch.Tensor:
         """SharedExpertMLP.forward: the MLP (its linears arranged in __init__), times sigmoid(gate)."""
         mlp = self.shared_expert
         hidden = mlp.act_fn(mlp.gate_proj(tokens)) * mlp.up_proj(tokens)
+        if self.shared_expert_gate is None:  # GLM's shared experts: no gate
+            return mlp.down_proj(hidden)
         gate = torch.sigmoid(F.linear(tokens, self.shared_expert_gate.weight))
         return mlp.down_proj(hidden) * gate
 

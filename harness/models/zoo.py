@@ -25,6 +25,12 @@ not renormalised, plus a shared expert of width 128 scaled by a sigmoid gate): s
 global layers, query_pre_attn_scalar, QK-norm, pre/post-feedforward norms, local/global RoPE bases,
 GeGLU-tanh, tied) and `gemma3-shape` (gemma-3-1b's text dims, 4 layers, random weights; config only in
 CI): stack A only (harness.bridge.gemma3; Megatron-Bridge 0.6.2's Gemma 3 is TE-only).
+`tiny-glm4-moe` (GLM-4.5-MoE: partial RoPE on half of each head, q/k/v biases, QK-norm, a dense first
+layer, then 4 routed experts of width 32 scored by a sigmoid plus a random `e_score_correction_bias`,
+top-2, renormalised and scaled by routed_scaling_factor 2.5, and one shared expert, ungated): stack A only
+(issue 37). `glm4.5-moe-shape` and `glm4.5-air-shape` are the published zai-org/GLM-4.5 and GLM-4.5-Air
+architectures at 4 layers (one dense first layer), random weights: config-checked on the CPU tier, never
+built in CI.
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    Glm4MoeConfig,
     LlamaConfig,
     MixtralConfig,
     PretrainedConfig,
@@ -89,6 +96,20 @@ _TINY_QWEN2_MOE: dict[str, Any] = dict(
     num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=128,
     norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
     qkv_bias=True, use_sliding_window=False,
+)
+# GLM-4.5-MoE (zai-org/GLM-4.5, GLM-4.5-Air) on the tiny shape, every feature of the family on: RoPE on the
+# first half of each head (partial_rotary_factor 0.5: 8 of 16 dims, rotate-half pairs within them), q/k/v
+# biases (`attention_bias`), per-head QK-norm (`use_qk_norm`, GLM-4.5's setting; Air's is off), a dense first
+# layer (`first_k_dense_replace` 1, width 128), then 4 routed experts of width 32 (ep 1/2/4, etp 1/2) scored
+# by a sigmoid, chosen by score + `e_score_correction_bias` (random, see harness.models.randomize: it changes
+# the top 2 for a good part of the tokens), top-2, the chosen scores renormalised and scaled by
+# routed_scaling_factor 2.5 (GLM-4.5's value), plus one shared expert of width 32 (no gate). n_group 1,
+# topk_group 1 (the published configs' values: no group-limited routing); no MTP layer (HF computes none).
+_TINY_GLM4_MOE: dict[str, Any] = dict(
+    partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True, first_k_dense_replace=1,
+    n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+    routed_scaling_factor=2.5, n_group=1, topk_group=1, norm_topk_prob=True, output_router_logits=False,
+    num_nextn_predict_layers=0,
 )
 _TINY_MIXTRAL: dict[str, Any] = dict(
     num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0, sliding_window=None,
@@ -193,6 +214,27 @@ _QWEN3_30B_A3B_SHAPE: dict[str, Any] = dict(
     output_router_logits=False,
 )
 _QWEN3_30B_A3B_SHAPE.pop("max_window_layers")
+# The published zai-org/GLM-4.5 (355B-A32B) and zai-org/GLM-4.5-Air (106B-A12B) config.json (architecture
+# only) at 4 of their 92 and 46 layers, the first dense (first_k_dense_replace 3 and 1 in the checkpoints;
+# 1 here so that 3 of the 4 layers are sparse). GLM-4.5: hidden 5120, 96 heads of 128, 8 KV heads, 160
+# experts of width 1536, top-8, routed_scaling_factor 2.5, QK-norm; Air: hidden 4096, 96 heads of 128,
+# 8 KV heads, 128 experts of width 1408, top-8, routed_scaling_factor 1.0, no QK-norm. Both: RoPE on half of
+# each head, base 1e6, q/k/v biases, one shared expert, n_group 1, vocab 151552; the checkpoints' one MTP
+# layer is not built (HF computes none: num_nextn_predict_layers 0 here).
+_GLM45_SHAPE: dict[str, Any] = dict(
+    hidden_size=5120, num_hidden_layers=SHAPE_LAYERS, num_attention_heads=96, num_key_value_heads=8,
+    head_dim=128, intermediate_size=12288, moe_intermediate_size=1536, n_routed_experts=160,
+    num_experts_per_tok=8, n_shared_experts=1, routed_scaling_factor=2.5, n_group=1, topk_group=1,
+    norm_topk_prob=True, first_k_dense_replace=1, use_qk_norm=True, attention_bias=True,
+    partial_rotary_factor=0.5, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    vocab_size=151552, max_position_embeddings=131072, rms_norm_eps=1e-5, hidden_act="silu",
+    attention_dropout=0.0, output_router_logits=False, num_nextn_predict_layers=0, tie_word_embeddings=False,
+    pad_token_id=151329, eos_token_id=[151329, 151336, 151338],
+)
+_GLM45_AIR_SHAPE: dict[str, Any] = dict(
+    _GLM45_SHAPE, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=128,
+    routed_scaling_factor=1.0, use_qk_norm=False,
+)
 
 
 @dataclass(frozen=True)
@@ -289,6 +331,28 @@ def _build_zoo() -> dict[str, ZooModel]:
         config_kwargs={**_TINY_SHAPE, **_TINY_QWEN2_MOE, "tie_word_embeddings": False},
         description="tiny Qwen2-MoE (QKV bias; 4 experts of width 32, top-2 of a softmax over all, unnormalised; "
                     f"a shared expert of width 128 behind a sigmoid gate), untied lm_head, vocab {TINY_VOCAB_SIZE}",
+    ))
+    entries.append(ZooModel(
+        name="tiny-glm4-moe",
+        config_class=Glm4MoeConfig,
+        config_kwargs={**_TINY_SHAPE, **_TINY_GLM4_MOE, "tie_word_embeddings": False},
+        description="tiny GLM-4.5-MoE (RoPE on half of each head, QKV bias, QK-norm; a dense first layer, then 4 "
+                    "experts of width 32, sigmoid + expert bias, top-2, scaled by 2.5, a shared expert), "
+                    f"untied lm_head, vocab {TINY_VOCAB_SIZE}",
+    ))
+    entries.append(ZooModel(
+        name="glm4.5-moe-shape",
+        config_class=Glm4MoeConfig,
+        config_kwargs=_GLM45_SHAPE,
+        description=f"GLM-4.5 (355B-A32B) architecture at {SHAPE_LAYERS} layers (1 dense, 3 with 160 experts, "
+                    "top-8), random weights; for GPU runs, never built in CI",
+    ))
+    entries.append(ZooModel(
+        name="glm4.5-air-shape",
+        config_class=Glm4MoeConfig,
+        config_kwargs=_GLM45_AIR_SHAPE,
+        description=f"GLM-4.5-Air (106B-A12B) architecture at {SHAPE_LAYERS} layers (1 dense, 3 with 128 experts, "
+                    "top-8), random weights; for GPU runs, never built in CI",
     ))
     entries.append(ZooModel(
         name="tiny-mixtral",

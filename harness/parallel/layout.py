@@ -393,6 +393,10 @@ def _model_problems(layout: Layout, model: Any) -> list[str]:
     # ColumnParallelLinear asserts the MLP width splits evenly over tp.
     if ffn is not None and ffn % layout.tp:
         problems.append(f"tp={layout.tp} does not divide ffn_hidden_size={ffn}")
+    # Shared experts (GLM-4.5-MoE, DeepSeek-V3: n_shared_experts x the expert width) split over tp as the dense MLP.
+    shared = _model_attr(model, "n_shared_experts")
+    if shared and expert_ffn is not None and (shared * expert_ffn) % layout.tp:
+        problems.append(f"tp={layout.tp} does not divide the shared experts' width={shared * expert_ffn}")
     # Every (virtual) pipeline stage must get the same whole number of layers.
     stages = layout.pp * (layout.vpp or 1)
     if layers is not None and layers % stages:

@@ -289,6 +289,75 @@ IMPLEMENTED: dict[str, Callable] = {
 FEEDING = frozenset({"cp-labels-rolled-after-split", "cp-chunks-contiguous"})
 
 
+# ----------------------------------------------------------------------------- GLM-4.5-MoE (issue 37)
+# What a converter can drop from GLM-4.5-MoE's RoPE and router without an error (harness.variants.catalog,
+# `_GLM4_MOE`). Prefixed `glm-`: the DeepSeek-V3 family shares the router's mechanisms; these are shown,
+# and named, on glm4_moe only.
+def _glm4_moe_layers(models, what: str):
+    from harness.bridge import hf_config
+
+    if hf_config(models).model_type != "glm4_moe":
+        raise VariantError(f"variant {what!r} needs a GLM-4.5-MoE model (model_type glm4_moe)")
+    return _moe_layers(models, what)
+
+
+@torch.no_grad()
+def _glm_rope_on_the_full_head(models) -> None:
+    """RoPE on every dim of the head (megatron-core's rotary_percent left at 1.0), where GLM rotates the
+    first partial_rotary_factor of it and passes the rest through: the frequencies of a whole-head RoPE,
+    whose cos/sin then cover the whole head (megatron-core rotates freqs.shape[-1] dims)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from harness.bridge import hf_config
+    from harness.bridge.preflight import rope_settings
+
+    _glm4_moe_layers(models, "glm-partial-rope-full-head")
+    rope = rope_settings(hf_config(models))
+    if rope.rotary_percent == 1.0:  # a no-op variant would "pass" its negative control
+        raise VariantError("variant 'glm-partial-rope-full-head' needs a partial rotary model (partial_rotary_factor < 1)")
+    for chunk, _ in _params(models):
+        current = chunk.rotary_pos_emb
+        full = RotaryEmbedding(kv_channels=chunk.config.kv_channels, rotary_percent=1.0, rotary_base=rope.theta,
+                               use_cpu_initialization=True)
+        current.inv_freq = full.inv_freq.to(current.inv_freq.device)
+    RotaryEmbedding.forward.cache_clear()  # freqs are memoized per (module, length)
+
+
+@torch.no_grad()
+def _glm_expert_bias_not_loaded(models) -> None:
+    """The routers' expert bias left as megatron-core initialises it (zeros): HF's
+    e_score_correction_bias never loaded, experts chosen by the sigmoid scores alone."""
+    routers = [moe.router for moe in _glm4_moe_layers(models, "glm-expert-bias-not-loaded")
+               if getattr(moe.router, "expert_bias", None) is not None]
+    if not routers:
+        raise VariantError("variant 'glm-expert-bias-not-loaded' needs routers with an expert bias")
+    if not any(bool(router.expert_bias.abs().max() > 0) for router in routers):
+        raise VariantError("variant 'glm-expert-bias-not-loaded' needs a nonzero expert bias (a zero one is the fix)")
+    for router in routers:
+        router.expert_bias.zero_()
+
+
+def _glm_routed_scaling_dropped(models) -> None:
+    """The routing weights not scaled by routed_scaling_factor (megatron-core's
+    moe_router_topk_scaling_factor left None): every routed expert's output 1/factor of HF's."""
+    layers = _glm4_moe_layers(models, "glm-routed-scaling-dropped")
+    configs = {id(c): c for moe in layers for c in (moe.config, moe.router.config)}  # read at every forward
+    if any(c.moe_router_topk_scaling_factor in (None, 1, 1.0) for c in configs.values()):
+        raise VariantError("variant 'glm-routed-scaling-dropped' needs routed_scaling_factor != 1 (GLM-4.5's 2.5)")
+    for config in configs.values():
+        config.moe_router_topk_scaling_factor = None
+
+
+IMPLEMENTED.update({
+    "glm-partial-rope-full-head": _glm_rope_on_the_full_head,
+    "glm-expert-bias-not-loaded": _glm_expert_bias_not_loaded,
+    "glm-routed-scaling-dropped": _glm_routed_scaling_dropped,
+})
+# The scaling is configuration the fp32 evaluation's model must get too (ROUTING); the other two are
+# state (the RoPE frequencies, a plain tensor attribute, and the bias buffer), which copy_state carries.
+ROUTING = ROUTING | frozenset({"glm-routed-scaling-dropped"})
+
+
 def _require_tf32() -> None:
     """The control's world must really run TF32 (set before CUDA started: Variant.world_env),
     or the control would pass for the wrong reason."""

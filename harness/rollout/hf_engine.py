@@ -160,4 +160,10 @@ def checkpoint_slots(model) -> dict[str, tuple[torch.nn.Parameter, torch.Tensor]
         if not torch.all(which == which.flatten()[0]):
             raise ValueError(f"{name}: a checkpoint tensor drawn from several parameters")
         slots[name] = (order[int(which.flatten()[0])], (tag - which * (1 << 40)).long().clone())
+    # Persistent buffers the checkpoint stores under their own names (GLM-4.5-MoE's router
+    # `e_score_correction_bias`, which the trainer exports with the weights): each its own slot.
+    saved = set(model.state_dict())
+    for name, buffer in model.named_buffers():
+        if name in saved and name not in slots:
+            slots[name] = (buffer, torch.arange(buffer.numel()).view(buffer.shape))
     return slots

@@ -175,8 +175,11 @@ def replay_check(make_policy: Callable[..., Any], layout: str, dtype: str = "fp3
     if dtype != "fp32":
         raise ValueError(f"the routing-replay check runs in fp32 (its router-gradient ground truth is the fp32 "
                          f"HF model), not {dtype}")
+    from harness.rl.loop import require_experts
+
     model = engine_model(engine, model)
     config = load_hf_config(model)
+    require_experts(model, config)  # one error for what cannot replay (a dense model, GLM-4.5-MoE)
     require(variant, check="routing-replay", layout=parse_layout(str(layout)), config=config)
     result = ReplayResult(str(layout), dtype, device, variant, model, engine)
     rollouts = open_routing_engine(engine, model, dtype, device).generate(prompts(config.vocab_size), SAMPLING,

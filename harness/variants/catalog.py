@@ -751,7 +751,66 @@ _GEMMA3 = (
             requires=_needs_gemma3, default_layout="tp2", model="tiny-gemma3", specs=("local",)),
 )
 
-_ENTRIES = _ENTRIES + _ROTATION + _OFFLOAD + _SYNC + _FP8 + _MOE + _CP_ENTRIES + _QWEN2_MOE + _GEMMA3
+
+# GLM-4.5-MoE (issue 37): its partial RoPE and its router's expert bias and scaling, each of which a
+# converter can drop without an error (mbridge 0.15.1's GLM4MoEBridge maps all three; the harness's own
+# override 4 once dropped the RoPE's rotary_percent: override 16). Prefixed `glm-`: shown on glm4_moe.
+def _needs_glm4_moe(layout, config) -> str | None:
+    if config is not None and getattr(config, "model_type", None) != "glm4_moe":
+        return "needs a GLM-4.5-MoE model (model_type glm4_moe)"
+    return _needs_experts(layout, config)
+
+
+def _needs_glm4_moe_scaling(layout, config) -> str | None:
+    if config is not None and getattr(config, "routed_scaling_factor", 1.0) in (None, 1, 1.0):
+        return "needs routed_scaling_factor != 1 (GLM-4.5's 2.5; GLM-4.5-Air's 1.0 shows nothing)"
+    return _needs_glm4_moe(layout, config)
+
+
+def _needs_glm4_moe_partial_rope(layout, config) -> str | None:
+    from harness.bridge.preflight import rope_settings
+
+    if config is not None and getattr(config, "model_type", None) == "glm4_moe" \
+            and rope_settings(config).rotary_percent == 1.0:
+        return "needs partial RoPE (partial_rotary_factor < 1)"
+    return _needs_glm4_moe(layout, config)
+
+
+_GLM4_MOE = (
+    Variant("glm-partial-rope-full-head", "bridge", "upstream-bug",
+            "GLM-4.5-MoE's RoPE applied to every dim of the head (megatron-core's rotary_percent left at 1.0), "
+            "where HF rotates the first partial_rotary_factor (0.5) of it and passes the rest through",
+            "every position's q/k rotated at other frequencies and on the wrong dims: logprobs off on every "
+            "token after the first; the model loads and runs",
+            "logprob parity vs HF: every metric",
+            upstream="InternLM/lmdeploy PR 3861 (partial_rotary_factor without rope_scaling missed: GLM-4.5-Air "
+                     "RoPE computed on the whole head); the class: vllm-project/vllm PR 16912 and ml-explore/"
+                     "mlx-lm PR 1698 (GLM's rotary dims); in Megatron converters none found (the harness's own "
+                     "override 4 dropped mbridge's rotary_percent: harness.bridge.mbridge_compat, override 16)",
+            requires=_needs_glm4_moe_partial_rope, default_layout="dp2", model="tiny-glm4-moe", options=_MOE_PARITY),
+    Variant("glm-expert-bias-not-loaded", "bridge", "upstream-bug",
+            "GLM-4.5-MoE's router without its e_score_correction_bias (the expert bias left at megatron-core's "
+            "zeros: not mapped or not loaded), so experts are chosen by the sigmoid scores alone",
+            "tokens whose top-k the bias decides routed to other experts: logprobs off there; no error (the "
+            "bias is a buffer, so a loader that maps parameters only never misses it)",
+            "logprob parity vs HF: every metric",
+            upstream="GLM-4.5: none found; the class: vllm-project/vllm PR 21586 (ERNIE-4.5-MoE's "
+                     "e_score_correction_bias missing) and mbridge 0.15.1's export_weights note (expert_bias in "
+                     "the state dict, not in named_parameters); named apart from any DeepSeek-V3 entry",
+            requires=_needs_glm4_moe, default_layout="dp2", model="tiny-glm4-moe", options=_MOE_PARITY),
+    Variant("glm-routed-scaling-dropped", "bridge", "upstream-bug",
+            "GLM-4.5-MoE's routing weights not scaled by routed_scaling_factor (2.5; megatron-core's "
+            "moe_router_topk_scaling_factor left None)",
+            "every routed expert's contribution 1/2.5 of HF's (the shared expert's unchanged): logprobs off "
+            "on every token",
+            "logprob parity vs HF: every metric",
+            upstream="GLM-4.5: none found; the class: vllm-project/vllm PR 23123 (routed_scaling_factor missing "
+                     "from grouped top-k) and sgl-project/sglang-jax PR 1282 (the factor skipped when "
+                     "norm_topk_prob=False)",
+            requires=_needs_glm4_moe_scaling, default_layout="dp2", model="tiny-glm4-moe", options=_MOE_PARITY),
+)
+
+_ENTRIES = _ENTRIES + _ROTATION + _OFFLOAD + _SYNC + _FP8 + _MOE + _CP_ENTRIES + _QWEN2_MOE + _GEMMA3 + _GLM4_MOE
 
 CATALOG: dict[str, Variant] = {v.id: v for v in _ENTRIES}
 

@@ -267,6 +267,28 @@ def test_gemma3_unsupported_feature_is_one_error(tmp_path, config, drop, message
     path = local_checkpoint(tmp_path, "tiny-gemma3", config, None, drop)
     if not bridge_converts("tiny-gemma3"):
         message = f"model_type 'gemma3_text' is not supported by the {current()} bridge"
+# ----------------------------------------------------------------------------- GLM-4.5-MoE (issue 37)
+# What the bridges would build otherwise than HF's Glm4MoeForCausalLM (harness.bridge.preflight.
+# _unsupported_glm4_moe), on either stack.
+GLM4_MOE_UNSUPPORTED = {
+    "glm4-moe-groups": ({"n_group": 2, "topk_group": 1}, (), "n_group=2, topk_group=1"),
+    "glm4-moe-two-shared": ({"n_shared_experts": 2}, (), "n_shared_experts=2"),
+    "glm4-moe-unnormalised": ({"norm_topk_prob": False}, (), "norm_topk_prob=False"),
+    "glm4-moe-top1": ({"num_experts_per_tok": 1}, (), "num_experts_per_tok=1"),
+    "glm4-moe-no-qkv-bias": ({"attention_bias": False}, (), "attention_bias=False"),
+    "glm4-moe-all-dense": ({"first_k_dense_replace": 4}, (), "makes every one of the 4 layers dense"),
+    "glm4-moe-router-logits": ({"output_router_logits": True}, (), "output_router_logits=True"),
+    "glm4-moe-odd-rotary": ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                 "partial_rotary_factor": 0.3}}, (),
+                            "partial_rotary_factor 0.3 with head_dim 16"),
+    "glm4-moe-bias-missing": (None, ("model.layers.2.mlp.gate.e_score_correction_bias",),
+                              "lacks tensors the model needs: model.layers.2.mlp.gate.e_score_correction_bias"),
+}
+
+
+@pytest.mark.parametrize("config, drop, message", _params(GLM4_MOE_UNSUPPORTED))
+def test_glm4_moe_unsupported_feature_is_one_error(tmp_path, config, drop, message):
+    path = local_checkpoint(tmp_path, "tiny-glm4-moe", config, None, drop)
     with pytest.raises(UnsupportedModelError) as error:
         check_model_supported(path)
     assert message in str(error.value) and "\n" not in str(error.value)
@@ -285,3 +307,36 @@ def test_gemma3_is_refused_by_name_where_the_bridge_cannot_build_it(monkeypatch,
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"not supported by the {current()} bridge" in err, err
     assert "Transformer Engine" in err, err
+def test_glm4_moe_mtp_layers_are_ignored_explicitly_and_nothing_else(tmp_path):
+    """A GLM-4.5 checkpoint's MTP layer (`num_nextn_predict_layers` 1: tensors under model.layers.<layers>)
+    is not loaded, as HF's causal LM does not load it; a tensor one layer further is still refused."""
+    mtp = {"model.layers.4.eh_proj.weight": torch.zeros(64, 128), "model.layers.4.enorm.weight": torch.ones(64)}
+    path = local_checkpoint(tmp_path, "tiny-glm4-moe", {"num_nextn_predict_layers": 1}, mtp)
+    assert check_model_supported(path).num_nextn_predict_layers == 1
+    beyond = local_checkpoint(tmp_path / "beyond", "tiny-glm4-moe", {"num_nextn_predict_layers": 1},
+                              {**mtp, "model.layers.5.enorm.weight": torch.ones(64)})
+    with pytest.raises(UnsupportedModelError, match="no Megatron counterpart.*model.layers.5.enorm.weight"):
+        check_model_supported(beyond)
+
+
+def test_glm4_moe_passes_the_preflight_with_its_partial_rope():
+    """Both bridges convert GLM-4.5-MoE (mbridge: override 16; Megatron-Bridge: GLM45_LOCAL_EXPERTS): the
+    zoo model passes, its partial RoPE as rotary_percent 0.5."""
+    from harness.bridge.preflight import rope_settings
+
+    assert bridge_converts("tiny-glm4-moe")
+    assert rope_settings(check_model_supported("tiny-glm4-moe")).rotary_percent == 0.5
+
+
+def test_glm4_moe_tp_must_divide_the_shared_expert():
+    """tp splits the shared expert as the dense MLP (etp splits only the routed experts): a width tp does not
+    divide is one layout error before any rank starts, even where etp 1 leaves the routed experts whole."""
+    from harness.parallel.layout import LayoutError, parse_layout, resolve, validate
+
+    config = load_hf_config("tiny-glm4-moe")
+    layout = resolve(parse_layout("tp2ep2etp1-sp"), 2)
+    assert validate(layout, 2, config) == layout
+    config.moe_intermediate_size = 33
+    with pytest.raises(LayoutError, match="tp=2 does not divide the shared experts' width=33"):
+        validate(layout, 2, config)
+

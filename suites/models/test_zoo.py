@@ -45,7 +45,8 @@ def test_zoo_names():
                                                  "tiny-qwen3-moe", "tiny-qwen3-moe-hd32", "tiny-mixtral",
                                                  "tiny-qwen3-tied-hd32", "tiny-qwen3-kv4-hd32", "tiny-qwen2-moe",
                                                  "qwen3-8b-shape", "qwen3-30b-a3b-shape",
-                                                 "tiny-gemma3", "gemma3-shape"}
+                                                 "tiny-gemma3", "gemma3-shape",
+                                                 "tiny-glm4-moe", "glm4.5-moe-shape", "glm4.5-air-shape"}
     assert list(ZOO) == list_models() == sorted(list_models())
     for name in list_models():
         assert ZOO[name].tied == (name.removesuffix("-hd32").endswith("-tied") or name in ALWAYS_TIED)
@@ -159,6 +160,68 @@ def test_the_real_shapes_are_the_published_architectures_at_4_layers(name, model
         assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
                 config.norm_topk_prob) == moe
         assert config.decoder_sparse_step == 1 and not config.mlp_only_layers  # every layer sparse
+
+
+# ----------------------------------------------------------------------------- GLM-4.5-MoE (issue 37)
+def test_glm4_moe_family_features():
+    """GLM-4.5-MoE: RoPE on half of each head, q/k/v biases, QK-norm, a dense first layer, then 4 routed
+    experts (sigmoid + a random expert bias, top-2, renormalised, x 2.5) and one ungated shared expert."""
+    config = load_hf_config("tiny-glm4-moe")
+    assert config.model_type == "glm4_moe" and config.rope_parameters["partial_rotary_factor"] == 0.5
+    assert config.attention_bias and config.use_qk_norm and config.norm_topk_prob
+    assert (config.first_k_dense_replace, config.n_routed_experts, config.num_experts_per_tok,
+            config.moe_intermediate_size, config.n_shared_experts, config.routed_scaling_factor) == (1, 4, 2, 32, 1, 2.5)
+    assert (config.n_group, config.topk_group, config.num_nextn_predict_layers) == (1, 1, 0)
+    state = _state("tiny-glm4-moe")
+    assert state["model.layers.0.mlp.gate_proj.weight"].shape == (128, 64)  # the dense first layer
+    assert state["model.layers.1.mlp.shared_experts.down_proj.weight"].shape == (64, 32)
+    assert not any(k.startswith("model.layers.0.mlp.gate.") or "shared_expert_gate" in k for k in state)
+    assert any(k.endswith("q_proj.bias") for k in state) and any(k.endswith("k_norm.weight") for k in state)
+    assert all(state[f"model.layers.{i}.mlp.gate.e_score_correction_bias"].abs().min() > 0 for i in (1, 2, 3))
+
+
+@pytest.mark.nightly  # CI: the catalog's glm-expert-bias-not-loaded, caught at dp2 (top-1 agreement 0.58)
+def test_the_glm4_moe_expert_bias_changes_which_experts_win():
+    """The tiny model's e_score_correction_bias decides the top 2 for some tokens in every sparse layer
+    (so a bridge that drops it shows: the catalog's glm-expert-bias-not-loaded)."""
+    model = build_hf_model("tiny-glm4-moe")
+    tokens = torch.randint(3, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
+    inputs = {}
+    hooks = [layer.mlp.gate.register_forward_hook(lambda gate, args, out, i=i: inputs.__setitem__(i, args[0]))
+             for i, layer in enumerate(model.model.layers) if i >= model.config.first_k_dense_replace]
+    with torch.no_grad():
+        model(tokens)
+    for hook in hooks:
+        hook.remove()
+    assert sorted(inputs) == [1, 2, 3]
+    for i, hidden in inputs.items():
+        gate = model.model.layers[i].mlp.gate
+        scores = torch.sigmoid(torch.nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]).float(), gate.weight))
+        with_bias = torch.topk(scores + gate.e_score_correction_bias, 2, dim=-1).indices.sort(dim=-1).values
+        without = torch.topk(scores, 2, dim=-1).indices.sort(dim=-1).values
+        changed = (with_bias != without).any(dim=-1).float().mean().item()
+        assert changed > 0, f"layer {i}: the expert bias changes no token's top 2"
+
+
+@pytest.mark.parametrize("name, dims, moe, qk_norm", [
+    # zai-org/GLM-4.5 and zai-org/GLM-4.5-Air's published config.json: hidden, heads, KV heads, head_dim,
+    # the dense layers' intermediate, vocab; the experts' (count, top-k, width, routed_scaling_factor).
+    # transformers' Glm4MoeConfig defaults are GLM-4.5-Air's (hidden 4096, 10944, 1408, 128 experts, 1.0).
+    ("glm4.5-moe-shape", (5120, 96, 8, 128, 12288, 151552), (160, 8, 1536, 2.5), True),
+    ("glm4.5-air-shape", (4096, 96, 8, 128, 10944, 151552), (128, 8, 1408, 1.0), False),
+])
+def test_the_glm45_shapes_are_the_published_architectures_at_4_layers(name, dims, moe, qk_norm):
+    from harness.bridge.preflight import check_model_supported, rope_settings
+
+    config = check_model_supported(name)  # config only (and the preflight): never built on the CPU tier
+    assert config.model_type == "glm4_moe" and config.num_hidden_layers == 4 and not config.tie_word_embeddings
+    assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+            config.intermediate_size, config.vocab_size) == dims
+    assert (config.n_routed_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+            config.routed_scaling_factor) == moe
+    assert config.use_qk_norm == qk_norm and config.attention_bias and config.norm_topk_prob
+    assert (config.n_shared_experts, config.n_group, config.topk_group, config.first_k_dense_replace) == (1, 1, 1, 1)
+    assert rope_settings(config).rotary_percent == 0.5 and config.rope_parameters["rope_theta"] == 1_000_000
 
 
 @pytest.mark.parametrize("name", TINY)

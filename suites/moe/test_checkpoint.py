@@ -57,7 +57,12 @@ def _equal_but_optimizer_chaining(diff, source, target) -> tuple[bool, str]:
                f"param group settings equal: {settings[0] == settings[1]}"
 
 
-def _resume_elsewhere(policy, source, target, tmp_path, report, model=MODEL):
+# The experts' entries of a checkpoint: megatron-core stacks uniform layers' keys (`decoder.layers.mlp...`);
+# a model with dense first layers (GLM-4.5-MoE) keeps them per layer (`decoder.layers.<l>.mlp.experts...`).
+EXPERT_KEYS = ("decoder.layers.mlp.experts.", "optimizer.state.exp_avg.decoder.layers.mlp.experts.")
+
+
+def _resume_elsewhere(policy, source, target, tmp_path, report, model=MODEL, experts=EXPERT_KEYS):
     src = train_and_save(policy, source, tmp_path / "src", model=model)
     diffs = []
 
@@ -75,8 +80,7 @@ def _resume_elsewhere(policy, source, target, tmp_path, report, model=MODEL):
     report.add("tensors_differing", len(diff.mismatched) + len(diff.missing) + len(diff.extra), tolerance=0,
                passed=ok, claim="exact", layout=result.pair, model=model, max_abs=worst)
     assert ok, summary
-    experts = diff_checkpoints(src.directory, tmp_path / "resaved", include=["decoder.layers.mlp.experts.",
-                                                                            "optimizer.state.exp_avg.decoder.layers.mlp.experts."])
+    experts = diff_checkpoints(src.directory, tmp_path / "resaved", include=list(experts))
     assert experts.equal >= 4 and not experts.mismatched, experts.summary()  # weights and moments of the experts
     assert result.passed, result.summary()
 
@@ -105,6 +109,22 @@ def test_qwen2_moe_resume_at_another_expert_layout(policy, device, source, targe
                     "(suites/bridge/test_preflight.py: refused)")
     _resume_elsewhere(policy, source, target, tmp_path, report, model="tiny-qwen2-moe")
 
+
+@pytest.mark.nightly
+@pytest.mark.layout_pairs(cpu=[("dp2ep2", "tp2-sp"), ("tp2-sp", "dp2ep2"), ("dp2ep2", "pp2")])
+def test_glm4_moe_resume_at_another_expert_layout(policy, device, source, target, tmp_path, report):
+    """GLM-4.5-MoE (stack A only): the dense first layer, the shared expert and the routers' expert bias
+    (a buffer: in the checkpoint, never trained) reshard with the routed experts; to pp2 the dense layer
+    and the first sparse one sit on one stage, the other two on the other."""
+    from harness.bridge.backends import current
+    from harness.bridge.preflight import bridge_converts
+
+    if not bridge_converts("tiny-glm4-moe"):
+        pytest.skip(f"the {current()} bridge does not convert tiny-glm4-moe "
+                    "(suites/bridge/test_preflight.py: refused)")
+    per_layer = tuple(f"{prefix}decoder.layers.{layer}.mlp.{what}." for layer in (1, 2, 3)
+                      for prefix in ("", "optimizer.state.exp_avg.") for what in ("experts", "router"))
+    _resume_elsewhere(policy, source, target, tmp_path, report, model="tiny-glm4-moe", experts=per_layer)
 
 
 def _bucket_entries(worker) -> list[int]:

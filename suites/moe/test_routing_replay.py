@@ -172,6 +172,7 @@ def test_the_rl_loop_runs_with_routing_replay(rl_loop, device, layout, engine, r
 
 @pytest.mark.parametrize("args, message", [
     (["--model", "tiny-qwen3"], "needs a Mixture-of-Experts model: tiny-qwen3 is dense"),
+    (["--model", "tiny-glm4-moe"], "routing replay does not support GLM-4.5-MoE (tiny-glm4-moe) yet"),
 ])
 def test_routing_replay_with_what_cannot_replay_is_one_error_before_any_rank(args, message, capsys, tmp_path):
     from harness.cli import main

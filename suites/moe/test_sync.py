@@ -56,3 +56,23 @@ def test_a_synced_engine_equals_the_trained_qwen2_moe_policy(policy, device, lay
     _record(report, result)
     assert result.passed, result.summary()
     assert straddling_groups(result.report), "no expert group straddles a bucket boundary: buckets too large"
+
+
+@pytest.mark.nightly
+@pytest.mark.layouts(cpu=["tp2ep2etp1-sp", "pp2"])
+def test_a_synced_engine_equals_the_trained_glm4_moe_policy(policy, device, layout, report):
+    """GLM-4.5-MoE (stack A only): the dense first layer, the shared expert and the routers' expert bias (a
+    buffer, which mbridge exports from the state dict) sync with the routed experts."""
+    from harness.bridge.backends import current
+    from harness.bridge.preflight import bridge_converts
+
+    if not bridge_converts("tiny-glm4-moe"):
+        pytest.skip(f"the {current()} bridge does not convert tiny-glm4-moe "
+                    "(suites/bridge/test_preflight.py: refused)")
+    result = sync_check(policy, layout, "fp32", device=device, model="tiny-glm4-moe")
+    _record(report, result)
+    assert result.passed, result.summary()
+    assert any(name.endswith("e_score_correction_bias") for name in result.report.names), \
+        "the routers' expert bias was never sent"
+    assert straddling_groups(result.report), "no expert group straddles a bucket boundary: buckets too large"
+

@@ -26,6 +26,11 @@ What is set on Megatron-Bridge's model provider, and why (so that both bridges b
   (`moe_grouped_gemm` off: the legacy GroupedMLP needs the CUDA grouped_gemm package) and no router
   fusion (TE kernels); no load-balancing loss (preflight.MOE_TRAINING_SETTINGS: the provider's
   Qwen3-MoE aux loss of 0.001 moved the trained weights 1.8e-3 off HF's).
+- GLM-4.5-MoE (issue 37; `GLM45_SETTINGS`): the GLM45Bridge's shared-expert stream overlap off (CUDA
+  streams; the CPU tier has none), no MTP layers (`mtp_num_layers` None: HF's causal LM computes none, and
+  the preflight ignores their tensors explicitly), and `rotary_percent` from the preflight's RoPE settings
+  (the provider maps partial_rotary_factor itself, to the same 0.5: set here so both bridges take it from
+  one place).
 """
 from __future__ import annotations
 
@@ -44,6 +49,8 @@ from harness.bridge.versions import fused_softmax_kernels_available
 _FUSIONS_OFF = ("gradient_accumulation_fusion", "bias_activation_fusion", "bias_dropout_fusion",
                       "persist_layer_norm", "apply_rope_fusion", "moe_permute_fusion")
 _PADDED = ("model.embed_tokens.weight", "lm_head.weight")
+# GLM-4.5-MoE on the CPU tier, as mbridge_compat's override 16 builds it (module docstring).
+GLM45_SETTINGS = {"moe_shared_expert_overlap": False, "mtp_num_layers": None, "moe_router_bias_update_rate": 0.0}
 
 
 class MegatronBridgeHandle:
@@ -64,6 +71,10 @@ class MegatronBridgeHandle:
         self.harness_norm_precision = resolve_norm_precision(norm_precision, self.harness_spec)
         self.harness_tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
         self.dtype = dtype
+        if self.hf_config.model_type == "glm4_moe" and self.harness_spec == "local":
+            from harness.compat.megatron_bridge import add_glm45_local_expert_mappings
+
+            add_glm45_local_expert_mappings()  # the routed experts' SequentialMLP names (a workaround)
         self.auto = AutoBridge.from_hf_pretrained(str(path), torch_dtype=dtype)
         provider = self.auto.to_megatron_provider(load_weights=False)
         provider.tensor_model_parallel_size = ps.get_tensor_model_parallel_world_size()
@@ -101,6 +112,9 @@ class MegatronBridgeHandle:
         overrides.update({name: False for name in _FUSIONS_OFF if hasattr(provider, name)})
         self.rope = rope_settings(self.hf_config)  # refuses every rope type but default and llama3
         provider.rotary_base = self.rope.theta
+        if self.hf_config.model_type == "glm4_moe":  # partial RoPE, no stream overlap, no MTP (GLM45_SETTINGS)
+            provider.rotary_percent = self.rope.rotary_percent
+            overrides.update(GLM45_SETTINGS)
         if self.rope.llama3:  # mbridge_compat override 4: the flag and factor here, the frequencies below
             provider.rope_scaling, provider.rope_scaling_factor = True, float(self.rope.llama3["factor"])
         provider.perform_initialization = False  # every parameter is loaded (unused_hf_tensors checks it)
