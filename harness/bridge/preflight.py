@@ -24,7 +24,13 @@ What is refused, and why each would otherwise go wrong without an error:
 - biases Megatron has no slot for: Llama `attention_bias` (its o_proj bias) and `mlp_bias`, Qwen3
   `attention_bias` (the bridges build no bias but Qwen2's q/k/v one);
 - a checkpoint whose tensors are not exactly the ones the Megatron model loads (an extra tensor
-  would be dropped, a missing one fails deep inside a rank).
+  would be dropped, a missing one fails deep inside a rank);
+- gpt-oss (issue 37): on mbridge, by name (`BRIDGE_REFUSALS`: mbridge 0.15.1 has no gpt-oss bridge); on
+  Megatron-Bridge 0.6.2 what its GPTOSSBridge builds otherwise than HF: no attention biases (it always
+  builds them), a sliding-window pattern other than HF's default alternation from layer 0
+  (`window_attn_skip_freq=2`), no window, a rope type other than YaRN or a YaRN other than the one it
+  hard-codes (`GPT_OSS_BRIDGE_YARN`). Its sliding window, sinks, biases and YaRN are built (the checks
+  above that refuse them for the other families let gpt_oss through).
 """
 from __future__ import annotations
 
