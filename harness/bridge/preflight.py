@@ -146,7 +146,8 @@ def _gpt_oss_yarn(hf_config: PretrainedConfig, params: Mapping[str, Any]) -> Rop
         raise UnsupportedModelError(f"rope type 'yarn' with an explicit attention_factor {params['attention_factor']}: "
                                     "megatron-core derives it from the factor and mscale (none to set it to)")
     # HF's defaults where the checkpoint leaves them out (modeling_rope_utils._compute_yarn_parameters).
-    values = {"factor": params.get("factor"), "original_max_position_embeddings": params.get("original_max_position_embeddings"),
+    values = {"factor": params.get("factor"),
+              "original_max_position_embeddings": params.get("original_max_position_embeddings"),
               "beta_fast": params.get("beta_fast") or 32.0, "beta_slow": params.get("beta_slow") or 1.0,
               "truncate": bool(params.get("truncate", True)),
               "mscale": params.get("mscale"), "mscale_all_dim": params.get("mscale_all_dim")}
@@ -299,7 +300,8 @@ def expected_tensor_names(hf_config: PretrainedConfig) -> set[str]:
                           "mlp.shared_expert_gate.weight"]
     elif hf_config.model_type == "gpt_oss":  # fused experts (as HF stores them), biases, sinks
         per_layer += ["mlp.router.weight", "mlp.router.bias", "self_attn.sinks", "self_attn.o_proj.bias",
-                      *(f"mlp.experts.{p}" for p in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")),
+                      *(f"mlp.experts.{p}"
+                        for p in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")),
                       *(f"self_attn.{p}_proj.bias" for p in "qkv")]
     elif hf_config.model_type == "mixtral":
         per_layer += ["block_sparse_moe.gate.weight",

@@ -224,28 +224,34 @@ def _drop_shared_expert_gate(models) -> None:
 
 
 # gpt-oss (issue 37): what a converter or a backend can drop from gpt-oss without an error.
-def _core_attentions(models, what: str):
+def _core_attentions(models):
+    """Every decoder layer's core attention (DotProductAttention) on this rank."""
     from harness.bridge import unwrap_model
 
-    cores = [layer.self_attention.core_attention for chunk in unwrap_model(list(models))
-             for layer in chunk.decoder.layers]
-    return cores
+    return [layer.self_attention.core_attention for chunk in unwrap_model(list(models))
+            for layer in chunk.decoder.layers]
+
+
+def _without_offset(stock):
+    def forward(scores, mask, softmax_offset=None):
+        return stock(scores, mask, None)
+    return forward
 
 
 def _drop_sinks(models) -> None:
     """Attention sinks ignored: the softmax over the scores alone (softmax_type "vanilla", what a
     backend without sink support computes), the loaded softmax_offset left in place, unread."""
-    cores = [c for c in _core_attentions(models, "gpt-oss-sinks-dropped") if getattr(c, "softmax_offset", None) is not None]
+    cores = [c for c in _core_attentions(models) if getattr(c, "softmax_offset", None) is not None]
     if not cores:
         raise VariantError("variant 'gpt-oss-sinks-dropped' needs a model with attention sinks (gpt-oss)")
     for core in cores:
         softmax = core.scale_mask_softmax
-        softmax.forward = (lambda stock: lambda scores, mask, softmax_offset=None: stock(scores, mask, None))(softmax.forward)
+        softmax.forward = _without_offset(softmax.forward)
 
 
 def _ignore_window(models) -> None:
     """The sliding window ignored: every layer attends to its whole causal context."""
-    windowed = [c.scale_mask_softmax for c in _core_attentions(models, "gpt-oss-window-ignored")
+    windowed = [c.scale_mask_softmax for c in _core_attentions(models)
                 if getattr(c.scale_mask_softmax, "window_size", None) is not None]
     if not windowed:
         raise VariantError("variant 'gpt-oss-window-ignored' needs a model with sliding-window layers (gpt-oss)")

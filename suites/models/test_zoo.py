@@ -127,7 +127,8 @@ def test_gpt_oss_family_features():
         model(torch.randint(3, config.vocab_size, (2, STANDARD_SEQ_LEN), generator=torch.Generator().manual_seed(0)))
     hook.remove()
     pre = seen[0] @ experts.gate_up_proj + experts.gate_up_proj_bias[:, None, :]  # every expert, every token
-    clamped = ((pre[..., ::2] > experts.limit).float().mean().item(), (pre[..., 1::2].abs() > experts.limit).float().mean().item())
+    clamped = ((pre[..., ::2] > experts.limit).float().mean().item(),
+               (pre[..., 1::2].abs() > experts.limit).float().mean().item())
     assert all(0.001 < share < 0.2 for share in clamped), clamped
 
 

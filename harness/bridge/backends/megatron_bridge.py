@@ -24,8 +24,9 @@ What is set on Megatron-Bridge's model provider, and why (so that both bridges b
   MoE (0.16.1 too with the overlap off);
 - gpt-oss (GPTOSSBridge): the attention sinks marked as split over TP, and the expert biases' two
   training bugs worked around, before DDP wraps the model (harness.compat.megatron_core:
-  SOFTMAX_OFFSET_UNMARKED, EXPERT_BIAS_SUMMED_OVER_TP, EXPERT_BIAS_INPLACE_ON_VIEW); the rest of what GPTOSSBridge sets for GPUs
-  (grouped GEMM, permute and bias-activation fusions) is turned off below as for every MoE model;
+  SOFTMAX_OFFSET_UNMARKED, EXPERT_BIAS_SUMMED_OVER_TP, EXPERT_BIAS_INPLACE_ON_VIEW); the rest of what
+  GPTOSSBridge sets for GPUs (grouped GEMM, permute and bias-activation fusions) is turned off below as
+  for every MoE model;
 - MoE: the expert parallel sizes from parallel_state too; on the local spec SequentialMLP experts
   (`moe_grouped_gemm` off: the legacy GroupedMLP needs the CUDA grouped_gemm package) and no router
   fusion (TE kernels); no load-balancing loss (preflight.MOE_TRAINING_SETTINGS: the provider's
