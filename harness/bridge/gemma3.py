@@ -119,6 +119,8 @@ def _sliding_window_attention():
         """DotProductAttention that keeps the mask it is given on sliding-window layers (stock 0.16.1
         replaces it with the window's) and applies the window `(left, 0)` on top of it."""
 
+        KEEPS_MASK = True  # harness.logprobs.megatron: packed rows keep their block-diagonal mask here
+
         def __init__(self, config: Any, layer_number: int, *args: Any, **kwargs: Any) -> None:
             super().__init__(config, layer_number, *args, **kwargs)
             local = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)

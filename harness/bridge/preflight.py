@@ -40,7 +40,13 @@ What is refused, and why each would otherwise go wrong without an error:
 - biases Megatron has no slot for: Llama `attention_bias` (its o_proj bias) and `mlp_bias`, Qwen3
   `attention_bias` (the bridges build no bias but Qwen2's q/k/v one);
 - a checkpoint whose tensors are not exactly the ones the Megatron model loads (an extra tensor
-  would be dropped, a missing one fails deep inside a rank).
+  would be dropped, a missing one fails deep inside a rank);
+- gpt-oss (issue 37): on mbridge, by name (`BRIDGE_REFUSAL_REASONS`: mbridge 0.15.1 has no gpt-oss bridge); on
+  Megatron-Bridge 0.6.2 what its GPTOSSBridge builds otherwise than HF: no attention biases (it always
+  builds them), a sliding-window pattern other than HF's default alternation from layer 0
+  (`window_attn_skip_freq=2`), no window, a rope type other than YaRN or a YaRN other than the one it
+  hard-codes (`GPT_OSS_BRIDGE_YARN`). Its sliding window, sinks, biases and YaRN are built (the checks
+  above that refuse them for the other families let gpt_oss through).
 """
 from __future__ import annotations
 
@@ -68,7 +74,19 @@ BRIDGE_REFUSAL_REASONS = {
     "modules only (TELayerNormColumnParallelLinear, Gemma3TEDotProductAttention for the sliding window, "
     "TERowParallelLinearLayerNorm for the post-norms) and picks local layers by a fixed (5, 1) pattern, not "
     "the checkpoint's layer_types; the harness's own Gemma 3 pieces (harness.bridge.gemma3) run on mbridge",
+    ("mbridge", "gpt_oss"): "mbridge 0.15.1 has no gpt_oss bridge: nothing maps GptOssForCausalLM (attention "
+                            "sinks, alternating sliding window, clamped SwiGLU, expert biases, YaRN) onto "
+                            "megatron-core 0.16.1's softmax_type/window_size/activation_func_clamp_value; run "
+                            "it on stack B (--mrh-bridge=megatron-bridge: Megatron-Bridge 0.6.2's GPTOSSBridge)",
 }
+# gpt-oss (issue 37): Megatron-Bridge 0.6.2 only (its GPTOSSBridge). mbridge 0.15.1 registers no gpt_oss
+# bridge (mbridge.models: llama, qwen2, qwen3, qwen2moe, qwen3moe, mixtral, deepseek_v3, glm4moe, gemma3,
+# mimo and VL models); megatron-core 0.16.1 itself has the pieces (softmax_type="learnable",
+# window_size, activation_func_clamp_value, glu_linear_offset, YaRN) but nothing maps GptOssForCausalLM
+# onto them there. The mbridge entry keeps the tuple it was given above.
+SUPPORTED_MODEL_TYPES += ("gpt_oss",)
+MOE_MODEL_TYPES += ("gpt_oss",)
+BRIDGE_MODEL_TYPES["megatron-bridge"] += ("gpt_oss",)
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # HF checkpoints sometimes carry tensors that are not model weights.
@@ -85,6 +103,7 @@ class RopeSettings:
 
     theta: float
     llama3: Mapping[str, float] | None = None  # LLAMA3_ROPE_KEYS -> value, for rope_type llama3
+    yarn: Mapping[str, Any] | None = None  # YARN_ROPE_KEYS -> value, for gpt-oss's rope_type yarn
     rotary_percent: float = 1.0  # the rotated fraction of each head (GLM-4.5-MoE's partial_rotary_factor)
 
 
@@ -107,6 +126,8 @@ def rope_settings(hf_config: PretrainedConfig) -> RopeSettings:
     if hf_config.model_type == GEMMA3:
         params = dict(params.get("full_attention") or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "yarn" and hf_config.model_type == "gpt_oss":
+        return _gpt_oss_yarn(hf_config, params)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
             f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)}): "
@@ -153,8 +174,63 @@ def _llama3_values(params: Mapping[str, Any]) -> dict[str, float]:
     return values
 
 
+# gpt-oss's YaRN as Megatron-Bridge 0.6.2's GPTOSSBridge.provider_bridge hard-codes it (yarn_* on the
+# provider: factor 32 over 4096 positions, beta 32/1, correction range not rounded, mscale from the
+# factor alone), whatever the checkpoint's rope_parameters say: another YaRN is refused.
+GPT_OSS_BRIDGE_YARN = {"factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                       "truncate": False, "mscale": None, "mscale_all_dim": None}
+
+
+def _gpt_oss_yarn(hf_config: PretrainedConfig, params: Mapping[str, Any]) -> RopeSettings:
+    partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
+    if partial not in (None, 1, 1.0):
+        raise UnsupportedModelError(f"partial_rotary_factor {partial}: the bridge rotates the whole head")
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    if theta is None:
+        raise UnsupportedModelError("the HF config has no rope_theta (in rope_parameters or top level)")
+    missing = [key for key in ("factor", "original_max_position_embeddings") if params.get(key) is None]
+    if missing:
+        raise UnsupportedModelError(f"rope type 'yarn' needs {', '.join(missing)} in rope_parameters")
+    if params.get("attention_factor") is not None:
+        raise UnsupportedModelError(f"rope type 'yarn' with an explicit attention_factor {params['attention_factor']}: "
+                                    "megatron-core derives it from the factor and mscale (none to set it to)")
+    # HF's defaults where the checkpoint leaves them out (modeling_rope_utils._compute_yarn_parameters).
+    values = {"factor": params.get("factor"),
+              "original_max_position_embeddings": params.get("original_max_position_embeddings"),
+              "beta_fast": params.get("beta_fast") or 32.0, "beta_slow": params.get("beta_slow") or 1.0,
+              "truncate": bool(params.get("truncate", True)),
+              "mscale": params.get("mscale"), "mscale_all_dim": params.get("mscale_all_dim")}
+    differ = {k: v for k, v in values.items() if v != GPT_OSS_BRIDGE_YARN[k]}
+    if differ:
+        raise UnsupportedModelError(
+            f"rope type 'yarn' with {differ}: Megatron-Bridge 0.6.2's GPTOSSBridge hard-codes gpt-oss's YaRN "
+            f"({GPT_OSS_BRIDGE_YARN}) whatever the checkpoint says")
+    return RopeSettings(float(theta), yarn=values)
+
+
+def _gpt_oss_unsupported(hf_config: PretrainedConfig) -> list[str]:
+    """What Megatron-Bridge 0.6.2's GPTOSSBridge builds otherwise than HF for a gpt_oss config."""
+    found = []
+    if not getattr(hf_config, "attention_bias", True):
+        found.append("attention_bias=False: GPTOSSBridge always builds q/k/v/o biases (add_bias_linear)")
+    window = getattr(hf_config, "sliding_window", None)
+    layers = hf_config.num_hidden_layers
+    alternating = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    if not window or window < 1:
+        found.append(f"sliding_window={window}: GPTOSSBridge always builds window_size (sliding_window - 1, 0)")
+    if list(getattr(hf_config, "layer_types", None) or alternating) != alternating:
+        found.append(f"layer_types {hf_config.layer_types}: GPTOSSBridge builds the sliding window on layers "
+                     "0, 2, 4, ... and full attention on 1, 3, 5, ... (window_attn_skip_freq=2), HF's default")
+    rope_type = rope_parameters(hf_config).get("rope_type", "default")
+    if rope_type != "yarn":
+        found.append(f"rope type {rope_type!r}: GPTOSSBridge always builds YaRN")
+    return found
+
+
 def _unsupported_biases(hf_config: PretrainedConfig) -> list[str]:
     model_type = hf_config.model_type
+    if model_type == "gpt_oss":  # q/k/v/o and expert biases: the bridge builds them (_gpt_oss_unsupported)
+        return []
     found = []
     if model_type not in ("qwen2", "glm4_moe") and getattr(hf_config, "attention_bias", False):
         what = "o_proj" if model_type == "llama" else "q/k/v/o_proj"
@@ -218,6 +294,8 @@ def _unsupported_moe(hf_config: PretrainedConfig) -> list[str]:
         found.append("output_router_logits=True (HF trains with its load-balancing loss over every layer at "
                      "once; megatron-core's aux loss is per layer, another loss: the harness trains MoE models "
                      "without one, MOE_TRAINING_SETTINGS)")
+    if hf_config.model_type == "gpt_oss":
+        found += _gpt_oss_unsupported(hf_config)
     if hf_config.model_type == "mixtral" and getattr(hf_config, "router_jitter_noise", 0.0):
         found.append(f"router_jitter_noise={hf_config.router_jitter_noise}: Megatron's router adds no jitter")
     return found
@@ -311,6 +389,8 @@ def check_hf_config(hf_config: PretrainedConfig) -> RopeSettings:
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"hidden_act {hf_config.hidden_act!r}: mbridge builds SwiGLU (silu)")
     layer_types = set(getattr(hf_config, "layer_types", None) or ["full_attention"])
+    if model_type == "gpt_oss":  # its alternating sliding window is built (_gpt_oss_unsupported checks it)
+        layer_types = {"full_attention"}
     if getattr(hf_config, "use_sliding_window", False) or layer_types != {"full_attention"}:
         raise UnsupportedModelError(
             f"sliding-window attention is not supported (layer types {sorted(layer_types)}, "
@@ -343,6 +423,11 @@ def expected_tensor_names(hf_config: PretrainedConfig) -> set[str]:
         if hf_config.model_type == "qwen2_moe":  # the shared expert and its sigmoid gate
             per_layer += [*(f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")),
                           "mlp.shared_expert_gate.weight"]
+    elif hf_config.model_type == "gpt_oss":  # fused experts (as HF stores them), biases, sinks
+        per_layer += ["mlp.router.weight", "mlp.router.bias", "self_attn.sinks", "self_attn.o_proj.bias",
+                      *(f"mlp.experts.{p}"
+                        for p in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")),
+                      *(f"self_attn.{p}_proj.bias" for p in "qkv")]
     elif hf_config.model_type == "mixtral":
         per_layer += ["block_sparse_moe.gate.weight",
                       *(f"block_sparse_moe.experts.{e}.w{i}.weight" for e in experts for i in (1, 2, 3))]

@@ -480,3 +480,68 @@ def filter_expert_grads_over_expert_tp(optimizer) -> int:
     for part in parts:
         part.tp_group = parallel_state.get_expert_tensor_parallel_group()
     return len(parts)
+
+
+# gpt-oss (issue 37, found by this harness): attention sinks on the local spec. Not in WORKAROUNDS: only
+# Megatron-Bridge (stack B, megatron-core 0.19.2) builds a model with a learnable softmax_offset here (mbridge
+# 0.15.1 has no gpt-oss bridge), so 0.16.1 was never measured; `mark_softmax_offsets` requires the gate itself.
+SOFTMAX_OFFSET_UNMARKED = Workaround(
+    "softmax-offset-unmarked", "the local DotProductAttention's learnable softmax_offset (attention sinks) holds "
+    "this TP rank's heads but is never marked tensor_model_parallel: TP ranks > 0 leave their sinks' gradients "
+    "out of the grad norm, and the parameter passes for a TP replica", ("0.19.2",))
+
+
+def mark_softmax_offsets(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """`SOFTMAX_OFFSET_UNMARKED`: mark every unmarked `core_attention.softmax_offset` as split over TP by
+    heads (dim 0), as megatron-core marks its other partitioned parameters. A Megatron-Bridge pre-wrap hook
+    (before DDP and the optimizer copy the attributes): returns `chunks`. Found: tiny-gpt-oss at
+    tp2ep2etp1-sp trained with grad norm 7.19955 where HF's is 7.19933, the sinks of TP rank 1 left out."""
+    offsets = [param for chunk in chunks for name, param in chunk.named_parameters()
+               if name.endswith("core_attention.softmax_offset") and not getattr(param, "tensor_model_parallel", False)]
+    if offsets:
+        require(SOFTMAX_OFFSET_UNMARKED)
+    for param in offsets:
+        param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, 1
+    return chunks
+
+
+# Expert biases (gpt-oss, found by this harness), two megatron-core 0.19.2 bugs that show only in training:
+EXPERT_BIAS_SUMMED_OVER_TP = Workaround(
+    "expert-bias-summed-over-tp", "RowParallelLinear marks an expert's linear_fc2 bias sequence_parallel under "
+    "sequence parallelism, and finalize_model_grads sums every such gradient over the dense TP group, whose ranks "
+    "hold other experts (tp2ep2etp1-sp) or other tokens of the same experts, reduced over expert-DP already "
+    "(tp2etp1-sp): the expert biases train on a wrong gradient, silently", ("0.19.2",))
+EXPERT_BIAS_INPLACE_ON_VIEW = Workaround(
+    "expert-bias-inplace-on-view", "MLP.forward adds an expert's linear_fc2 bias in place (output += bias * "
+    "per_token_scale) into linear_fc2's output, which without explicit expert communication (ep 1, etp 1) is a "
+    "tensor-parallel region's input returned as a view: the backward raises 'Output 0 of "
+    "_ReduceFromModelParallelRegion is a view and is being modified inplace'", ("0.19.2",))
+
+
+def fix_expert_biases(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """`EXPERT_BIAS_SUMMED_OVER_TP` and `EXPERT_BIAS_INPLACE_ON_VIEW`, for a model whose experts have biases
+    (gpt-oss; a Megatron-Bridge pre-wrap hook, returns `chunks`): an expert's linear_fc2 bias is unmarked as
+    sequence-parallel (DDP reduces it over the expert-data-parallel group, as the expert weights), and
+    each expert's linear_fc2 returns a copy of its output (the same values) for MLP.forward to add into."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    experts = [module for chunk in chunks for module in chunk.modules() if isinstance(module, SequentialMLP)]
+    fc2s = [expert.linear_fc2 for mlp in experts for expert in mlp.local_experts if expert.linear_fc2.bias is not None]
+    if not fc2s:
+        return chunks
+    require(EXPERT_BIAS_SUMMED_OVER_TP, EXPERT_BIAS_INPLACE_ON_VIEW)
+    for fc2 in fc2s:
+        fc2.bias.sequence_parallel = False
+        if getattr(fc2.forward, "harness_workaround", None) != EXPERT_BIAS_INPLACE_ON_VIEW.name:
+            fc2.forward = _copying_output(fc2.forward)
+    return chunks
+
+
+def _copying_output(forward):
+    @functools.wraps(forward)
+    def copied(*args, **kwargs):
+        output, bias = forward(*args, **kwargs)
+        return output.clone(), bias
+
+    copied.harness_workaround = EXPERT_BIAS_INPLACE_ON_VIEW.name
+    return copied

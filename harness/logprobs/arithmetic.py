@@ -45,6 +45,20 @@ models and the Qwen3-0.6B shape, CPU and H100):
      routed_scaling_factor, all in float32; each expert scales its activation by that float32 weight and
      rounds (MLP's per_token_scale). GLM's shared experts (`shared_experts`, no gate) are the dense MLP
      under `tp`, added to the routed sum (HF adds them last: a + b == b + a).
+5. gpt-oss (Megatron-Bridge's GPTOSSBridge on the local spec; `MegatronRoundedGptOssMoE`):
+   - the norms: gpt-oss's HF RMSNorm scales in float32 and rounds once; the harness's local-spec
+     RMSNorm rounds as Llama's HF norm (normalize, round, scale: harness.bridge.norms), so here the
+     reference's norms are arranged to that policy (`_HfPolicyRMSNorm`), not the other way round;
+   - attention sinks: megatron-core's SoftmaxOne appends each head's sink to the float32 scores
+     (`attention_softmax_in_fp32`) and rounds the probabilities once; HF's eager attention appends it
+     to the scores in the activation dtype and takes the softmax there (in bf16);
+   - the router's logits carry its bias (an addmm in the activation dtype, as HF's F.linear); the
+     softmax over the top-k logits in float32, rounded (HF: in the activation dtype);
+   - an expert's linear_fc1 adds its bias to the rounded GEMM, then the clamped SwiGLU
+     (gate <= 7, -7 <= up <= 7, quick_gelu(gate) * (up + 1)), times the routing weight, rounded;
+     quick_gelu is a `jit_fuser` (torch.compile) function: computed in float32, rounded once;
+     linear_fc2's rounded partial sums over etp, then its bias times the routing weight added
+     (MLP.forward with a per-token scale); HF scales (down + bias) after the GEMM.
 
 The norms are matched the other way round: the harness's own local-spec RMSNorm rounds as HF does
 (harness.bridge.norms). In float32 the arrangements change nothing measurable (~1e-7).
@@ -82,7 +96,12 @@ def megatron_eager_attention(module: nn.Module, query: torch.Tensor, key: torch.
         beta=0.0, alpha=scaling).view(batch, heads, q_len, k_len)
     if attention_mask is not None:
         scores = scores + attention_mask[:, :, :, :k_len]
-    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    sinks = getattr(module, "sinks", None)  # gpt-oss (module docstring, 5): megatron-core's SoftmaxOne
+    if sinks is not None:
+        sink = sinks.float().reshape(1, -1, 1, 1).expand(batch, -1, q_len, 1)
+        probs = F.softmax(torch.cat([scores.float(), sink], dim=-1), dim=-1)[..., :-1].to(query.dtype)
+    else:
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     probs = F.dropout(probs, p=dropout, training=module.training)
     return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
 
@@ -220,9 +239,83 @@ class MegatronRoundedMoE(nn.Module):
         return mlp.down_proj(hidden) * gate
 
 
+class _HfPolicyRMSNorm(nn.Module):
+    """An HF RMSNorm (weight, variance_epsilon) computed as harness.bridge.norms.LocalRMSNorm does:
+    normalize in float32, round to the activation dtype, scale by the weight in that dtype."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.weight, self.eps = norm.weight, norm.variance_epsilon
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normalized = x.float()
+        normalized = normalized * torch.rsqrt(normalized.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normalized.to(x.dtype)
+
+
+def _quick_gelu(gate: torch.Tensor, alpha: float) -> torch.Tensor:
+    """megatron-core's quick_gelu as it runs: a `jit_fuser` function, torch.compile on torch >= 2.2,
+    whose fused kernel computes y * sigmoid(1.702 y) in float32 and rounds once."""
+    wide = gate.float()
+    return (wide * torch.sigmoid(alpha * wide)).to(gate.dtype)
+
+
+class MegatronRoundedGptOssMoE(nn.Module):
+    """HF's GptOssMLP (`router` with a bias; `experts.gate_up_proj` [experts, hidden, 2 x width] with
+    gate and up interleaved, `experts.down_proj` [experts, width, hidden], both with biases; the clamped
+    SwiGLU) computed as megatron-core's TopKRouter and SequentialMLP compute it under Megatron-Bridge's
+    GPTOSSBridge (module docstring, 5), linear_fc2 split over `partitions` (etp). Returns HF's
+    (hidden_states, router scores) pair, the scores unused (None)."""
+
+    def __init__(self, block: nn.Module, partitions: int = 1) -> None:
+        super().__init__()
+        experts = block.experts
+        width = experts.down_proj.shape[1]
+        if width % partitions:
+            raise ValueError(f"expert width {width} does not split into {partitions} shards")
+        self.router, self.experts, self.top_k = block.router, experts, block.router.top_k
+        self.partitions = partitions
+        self.limit, self.alpha = float(experts.limit), float(experts.alpha)
+
+    def _expert(self, e: int, tokens: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        ex = self.experts
+        # Megatron's linear_fc1 holds the gate rows, then the up rows (the bridge de-interleaves HF's).
+        fc1 = torch.cat([ex.gate_up_proj[e][:, ::2], ex.gate_up_proj[e][:, 1::2]], dim=1).t().contiguous()
+        bias1 = torch.cat([ex.gate_up_proj_bias[e][::2], ex.gate_up_proj_bias[e][1::2]])
+        gate, up = (F.linear(tokens, fc1) + bias1).chunk(2, dim=-1)
+        gate, up = gate.clamp(min=None, max=self.limit), up.clamp(min=-self.limit, max=self.limit)
+        scale = weights.unsqueeze(-1)
+        hidden = (_quick_gelu(gate, self.alpha) * (up + 1.0) * scale).to(tokens.dtype)
+        down, width = ex.down_proj[e].t().contiguous(), hidden.shape[-1] // self.partitions
+        out = None
+        for r in range(self.partitions):  # rank order; a + b == b + a for two
+            part = F.linear(hidden[:, r * width:(r + 1) * width].contiguous(),
+                            down[:, r * width:(r + 1) * width].contiguous())
+            out = part if out is None else out + part
+        return out + ex.down_proj_bias[e] * scale
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, None]:
+        shape = hidden_states.shape
+        tokens = hidden_states.reshape(-1, shape[-1])
+        logits = F.linear(tokens, self.router.weight, self.router.bias)
+        top, chosen = torch.topk(logits, k=self.top_k, dim=1)
+        weights = torch.softmax(top, dim=-1, dtype=torch.float32).type_as(logits)
+        out = torch.zeros_like(tokens)
+        for e in range(self.experts.gate_up_proj.shape[0]):
+            rows, slot = torch.where(chosen == e)
+            if rows.numel():
+                out.index_add_(0, rows, self._expert(e, tokens[rows], weights[rows, slot]))
+        return out.reshape(shape), None
+
+
+def _is_gpt_oss_block(mlp: nn.Module) -> bool:
+    experts = getattr(mlp, "experts", None)
+    return hasattr(getattr(mlp, "router", None), "top_k") and hasattr(experts, "gate_up_proj_bias")
+
+
 def _is_sparse_block(mlp: nn.Module) -> bool:
     experts = getattr(mlp, "experts", None)
-    return hasattr(getattr(mlp, "gate", None), "top_k") and hasattr(experts, "gate_up_proj")
+    return (hasattr(getattr(mlp, "gate", None), "top_k") and hasattr(experts, "gate_up_proj")) or _is_gpt_oss_block(mlp)
 
 
 def arrange_like_megatron(model: nn.Module, *, tp: int = 1, expert_tp: int | None = None) -> nn.Module:
@@ -235,11 +328,17 @@ def arrange_like_megatron(model: nn.Module, *, tp: int = 1, expert_tp: int | Non
     _register_attention()
     model.set_attn_implementation(ATTENTION)
     layers = model.model.layers
+    if getattr(model.config, "model_type", None) == "gpt_oss":  # module docstring, 5: the norms
+        model.model.norm = _HfPolicyRMSNorm(model.model.norm)
+        for layer in layers:
+            layer.input_layernorm = _HfPolicyRMSNorm(layer.input_layernorm)
+            layer.post_attention_layernorm = _HfPolicyRMSNorm(layer.post_attention_layernorm)
     for layer in layers:
         sparse = getattr(layer, "mlp", None)
         sparse = sparse if sparse is not None and _is_sparse_block(sparse) else None
         if sparse is not None:
-            layer.mlp = MegatronRoundedMoE(sparse, expert_tp, tp)
+            layer.mlp = (MegatronRoundedGptOssMoE(sparse, expert_tp) if _is_gpt_oss_block(sparse)
+                         else MegatronRoundedMoE(sparse, expert_tp, tp))
         for path, partitions in [(p, 1) for p in _COLUMN_PARALLEL] + [(p, tp) for p in _ROW_PARALLEL]:
             if sparse is not None and path.startswith("mlp."):
                 continue

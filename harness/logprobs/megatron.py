@@ -33,7 +33,7 @@ class RankLogprobs:
 
 
 def _true_vocab(models: list[torch.nn.Module]) -> int:
-    from harness.bridge import bridge_info
+    from harness.bridge import bridge_info, unwrap_model
 
     return bridge_info(models).vocab_size
 
@@ -65,10 +65,18 @@ def megatron_logprobs(
     """
     from megatron.core import parallel_state as ps
 
-    from harness.bridge import bridge_info
+    from harness.bridge import bridge_info, unwrap_model
 
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    window = getattr(getattr(unwrap_model(list(models))[0], "config", None), "window_size", None)
+    # gpt-oss (docs/moe.md): megatron-core's windowed attention drops the mask; Gemma 3's keeps it (KEEPS_MASK)
+    keeps_mask = any(getattr(module, "KEEPS_MASK", False) for model in unwrap_model(list(models))
+                     for module in model.modules())
+    if packing == "packed" and window and not keeps_mask and bridge_info(models).spec != "te":
+        raise ValueError(f"packing 'packed' with sliding-window attention (window_size {window}): megatron-core's "
+                         "local softmax replaces the block-diagonal mask with its own causal window, so packed "
+                         "sequences would attend to each other; feed 'right'")
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     local = batch.split(dp_size)[dp_rank]
     cp = ps.get_context_parallel_world_size()

@@ -31,6 +31,11 @@ top-2, renormalised and scaled by routed_scaling_factor 2.5, and one shared expe
 (issue 37). `glm4.5-moe-shape` and `glm4.5-air-shape` are the published zai-org/GLM-4.5 and GLM-4.5-Air
 architectures at 4 layers (one dense first layer), random weights: config-checked on the CPU tier, never
 built in CI.
+`tiny-gpt-oss` (gpt-oss: attention sinks, sliding-window attention on every other layer, YaRN RoPE,
+q/k/v/o biases, 4 square experts (width = hidden, as gpt-oss-20b's 2880) with biases and a clamped
+SwiGLU, top-2, a router with a bias): stack B only (mbridge 0.15.1 has no gpt-oss bridge); its expert
+weights are scaled after the draw so that the clamp at 7 bites (`_gpt_oss_weights`).
+`gpt-oss-shape` is gpt-oss-20b's architecture cut to 4 layers: config checks only, never built in CI.
 """
 from __future__ import annotations
 
@@ -49,6 +54,7 @@ from transformers import (
     MixtralConfig,
     PretrainedConfig,
     PreTrainedModel,
+    GptOssConfig,
     Qwen2Config,
     Qwen2MoeConfig,
     Qwen3Config,
@@ -146,6 +152,48 @@ _GEMMA3_1B_SHAPE: dict[str, Any] = dict(
     final_logit_softcapping=None, attn_logit_softcapping=None, attention_bias=False, attention_dropout=0.0,
     use_bidirectional_attention=False, pad_token_id=0, bos_token_id=2, eos_token_id=1, tie_word_embeddings=True,
 )
+# gpt-oss (issue 37) on the tiny shape. gpt-oss-20b's features, each where it shows: attention sinks
+# (a learnable per-head logit in the softmax's denominator), sliding-window attention (window 8 of the
+# parity batch's 24 positions) on layers 0 and 2 (HF's default layer_types: sliding, full, ...; what
+# Megatron-Bridge's window_attn_skip_freq=2 builds), YaRN RoPE with gpt-oss's own parameters (factor 32
+# over 4096 positions, beta 32/1, not truncated; with head_dim 16 and base 1.5e5 the 8 frequencies fall
+# in all three of YaRN's bands: kept, ramped, interpolated), q/k/v/o biases, 4 experts of width 64 =
+# hidden (square, as gpt-oss-20b's 2880 x 2880: Megatron-Bridge's GPTOSSBridge then cannot tell
+# down_proj's orientation from its shape and takes HF's), top-2 over a router with a bias, expert biases,
+# and the clamped SwiGLU (gate clamped at 7 above, up to [-7, 7], (up + 1) * gate * sigmoid(1.702 gate)).
+_GPT_OSS_YARN: dict[str, Any] = {
+    "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+    "truncate": False, "original_max_position_embeddings": 4096,
+}
+_TINY_GPT_OSS: dict[str, Any] = dict(
+    hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, vocab_size=TINY_VOCAB_SIZE,
+    # factor x original window: HF warns when max_position_embeddings disagrees with YaRN's factor
+    max_position_embeddings=131072, rms_norm_eps=1e-5, sliding_window=8, rope_parameters=_GPT_OSS_YARN,
+    attention_bias=True, attention_dropout=0.0, output_router_logits=False, tie_word_embeddings=False,
+    pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)
+# The published openai/gpt-oss-20b config.json (architecture; 24 layers there, 4 here).
+_GPT_OSS_20B_SHAPE: dict[str, Any] = dict(
+    hidden_size=2880, num_hidden_layers=4, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+    intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4, vocab_size=201088,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, sliding_window=128, rope_parameters=_GPT_OSS_YARN,
+    attention_bias=True, attention_dropout=0.0, output_router_logits=False, tie_word_embeddings=False,
+    pad_token_id=199999, eos_token_id=200002,
+)
+# How far the tiny model's expert gate_up weights are scaled after the seeded draw (std 1/sqrt(128) x
+# 4): the pre-activations' std is then ~2.8 and a few percent pass 7, so the clamp changes the output.
+GPT_OSS_GATE_UP_SCALE = 4.0
+
+
+@torch.no_grad()
+def _gpt_oss_weights(model: PreTrainedModel) -> None:
+    """tiny-gpt-oss after randomize_weights: the sinks spread to N(0, 1) (the draw gives a 1-D weight
+    1 + 0.1 N(0, 1), as a norm's) and the experts' gate_up weights scaled so the SwiGLU clamp bites."""
+    for layer in model.model.layers:
+        layer.self_attn.sinks.sub_(1.0).mul_(10.0)
+        layer.mlp.experts.gate_up_proj.mul_(GPT_OSS_GATE_UP_SCALE)
+
 
 # Llama-3.x RoPE scaling (`rope_type: llama3`), scaled down to the tiny shape: Llama 3.1 has an
 # original window of 8192 positions; here it is 32 of the 128, so positions 32..127 lie beyond it.
@@ -245,6 +293,8 @@ class ZooModel:
     config_class: Callable[..., PretrainedConfig]
     config_kwargs: dict[str, Any] = field(hash=False)
     description: str
+    # Applied after randomize_weights (tiny-gpt-oss: its clamp must bite); None for every other model.
+    adjust_weights: Callable[[PreTrainedModel], None] | None = field(default=None, hash=False, compare=False)
 
     @property
     def tied(self) -> bool:
@@ -376,6 +426,21 @@ def _build_zoo() -> dict[str, ZooModel]:
         description="gemma-3-1b's text dims (vocab 262144), 4 of its layers, random weights; config only in CI",
     ))
     entries.append(ZooModel(
+        name="tiny-gpt-oss",
+        config_class=GptOssConfig,
+        config_kwargs=_TINY_GPT_OSS,
+        description="tiny gpt-oss (attention sinks, sliding window 8 on every other layer, YaRN, q/k/v/o "
+                    "biases; 4 square experts with biases and a clamped SwiGLU, top-2), untied lm_head, "
+                    f"vocab {TINY_VOCAB_SIZE}",
+        adjust_weights=_gpt_oss_weights,
+    ))
+    entries.append(ZooModel(
+        name="gpt-oss-shape",
+        config_class=GptOssConfig,
+        config_kwargs=_GPT_OSS_20B_SHAPE,
+        description="gpt-oss-20b architecture (4 of its 24 layers), random weights; config checks only",
+    ))
+    entries.append(ZooModel(
         name="qwen3-0.6b-shape",
         config_class=Qwen3Config,
         config_kwargs=_QWEN3_0P6B_SHAPE,
@@ -445,6 +510,8 @@ def build_hf_model(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.f
     randomize_weights(model, seed)
     if config.model_type in ZERO_CENTERED_NORMS:
         _zero_center_norms(model)
+    if ZOO[str(name_or_path)].adjust_weights is not None:
+        ZOO[str(name_or_path)].adjust_weights(model)
     return model.to(dtype).eval()
 
 

@@ -416,6 +416,11 @@ def _model_problems(layout: Layout, model: Any) -> list[str]:
     # The experts' linear layers split their width over etp as the dense ones do over tp.
     if experts and expert_ffn is not None and expert_ffn % layout.expert_tp:
         problems.append(f"etp={layout.expert_tp} does not divide the expert ffn_hidden_size={expert_ffn}")
+    # Expert biases (gpt-oss): megatron-core 0.19.2's MoE layer asserts "Bias in Moe is only supported
+    # when ETP==1" once the ranks build it; said here first.
+    if experts and layout.expert_tp > 1 and _model_attr(model, "model_type") == "gpt_oss":
+        problems.append(f"etp={layout.expert_tp} with expert biases (gpt-oss): megatron-core's MoE supports "
+                        "expert biases only at etp 1 (add 'etp1', e.g. tp2ep2etp1-sp)")
     return problems
 
 

@@ -254,6 +254,75 @@ def _gemma_sliding_window_ignored(models) -> None:
     """The sliding-window layers attend to the whole causal context, as the global ones."""
     for attention in _gemma3_modules(models, "gemma-sliding-window-ignored", "attention"):
         attention.window = None
+# gpt-oss (issue 37): what a converter or a backend can drop from gpt-oss without an error.
+def _core_attentions(models):
+    """Every decoder layer's core attention (DotProductAttention) on this rank."""
+    from harness.bridge import unwrap_model
+
+    return [layer.self_attention.core_attention for chunk in unwrap_model(list(models))
+            for layer in chunk.decoder.layers]
+
+
+def _without_offset(stock):
+    def forward(scores, mask, softmax_offset=None):
+        return stock(scores, mask, None)
+    return forward
+
+
+def _drop_sinks(models) -> None:
+    """Attention sinks ignored: the softmax over the scores alone (softmax_type "vanilla", what a
+    backend without sink support computes), the loaded softmax_offset left in place, unread."""
+    cores = [c for c in _core_attentions(models) if getattr(c, "softmax_offset", None) is not None]
+    if not cores:
+        raise VariantError("variant 'gpt-oss-sinks-dropped' needs a model with attention sinks (gpt-oss)")
+    for core in cores:
+        softmax = core.scale_mask_softmax
+        softmax.forward = _without_offset(softmax.forward)
+
+
+def _ignore_window(models) -> None:
+    """The sliding window ignored: every layer attends to its whole causal context."""
+    windowed = [c.scale_mask_softmax for c in _core_attentions(models)
+                if getattr(c.scale_mask_softmax, "window_size", None) is not None]
+    if not windowed:
+        raise VariantError("variant 'gpt-oss-window-ignored' needs a model with sliding-window layers (gpt-oss)")
+    for softmax in windowed:
+        softmax.window_size = None  # read at every forward (FusedScaleMaskSoftmax.forward_torch_softmax)
+
+
+def _drop_clamp(models) -> None:
+    """The SwiGLU clamp left out (activation_func_clamp_value None): gate and up unclamped."""
+    configs = {id(m.config): m.config for m in _moe_layers(models, "gpt-oss-clamp-missing")
+               if getattr(m.config, "activation_func_clamp_value", None) is not None}
+    if not configs:
+        raise VariantError("variant 'gpt-oss-clamp-missing' needs a MoE model with a clamped SwiGLU (gpt-oss)")
+    for config in configs.values():
+        config.activation_func_clamp_value = None  # read at every forward (MLP.forward's glu)
+
+
+@torch.no_grad()
+def _drop_expert_biases(models) -> None:
+    """The experts' linear_fc1/linear_fc2 biases not loaded (left at megatron-core's zero init)."""
+    biases = [p for _, params in _params(models) for name, p in params.items()
+              if ".mlp.experts." in name and name.endswith(".bias")]
+    if not biases:
+        raise VariantError("variant 'gpt-oss-expert-biases-dropped' needs experts with biases (gpt-oss)")
+    for bias in biases:
+        bias.zero_()
+
+
+@torch.no_grad()
+def _transpose_down_proj(models) -> None:
+    """Each expert's linear_fc2 weight transposed: HF's down_proj [width, hidden] stored as it is where
+    Megatron holds [hidden, width]. Square experts (width == hidden, gpt-oss-20b's 2880) load without a
+    shape error either way."""
+    weights = [p for _, params in _params(models) for name, p in params.items()
+               if ".mlp.experts." in name and "linear_fc2.weight" in name]
+    if not weights or any(w.shape[0] != w.shape[1] for w in weights):
+        raise VariantError("variant 'gpt-oss-down-proj-transposed' needs square expert linear_fc2 weights "
+                           "(gpt-oss at etp 1)")
+    for weight in weights:
+        weight.copy_(weight.t().contiguous())
 
 
 # Variants that change how the model computes (code and configuration, not the state copy_state
@@ -261,6 +330,7 @@ def _gemma_sliding_window_ignored(models) -> None:
 # the fp32 evaluation's model too.
 ROUTING = frozenset({"router-in-bf16", "topk-off-by-one", "mixtral-pre-softmax", "shared-expert-gate-dropped",
                      "gemma-norm-not-zero-centered", "gemma-embed-scale-dropped", "gemma-sliding-window-ignored"})
+ROUTING |= {"gpt-oss-sinks-dropped", "gpt-oss-window-ignored", "gpt-oss-clamp-missing"}  # gpt-oss: code, not state
 
 IMPLEMENTED: dict[str, Callable] = {
     "swapped-experts": _swap_experts,
@@ -271,6 +341,11 @@ IMPLEMENTED: dict[str, Callable] = {
     "gemma-norm-not-zero-centered": _gemma_norm_not_zero_centered,
     "gemma-embed-scale-dropped": _gemma_embed_scale_dropped,
     "gemma-sliding-window-ignored": _gemma_sliding_window_ignored,
+    "gpt-oss-sinks-dropped": _drop_sinks,
+    "gpt-oss-window-ignored": _ignore_window,
+    "gpt-oss-clamp-missing": _drop_clamp,
+    "gpt-oss-expert-biases-dropped": _drop_expert_biases,
+    "gpt-oss-down-proj-transposed": _transpose_down_proj,
     "swapped-gate-up": _swap_gate_up,
     "wrong-rope-base": _wrong_rope_base,
     "scaled-norm": _scale_norm,

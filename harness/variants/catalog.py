@@ -810,7 +810,71 @@ _GLM4_MOE = (
             requires=_needs_glm4_moe_scaling, default_layout="dp2", model="tiny-glm4-moe", options=_MOE_PARITY),
 )
 
+# gpt-oss (issue 37, stack B: Megatron-Bridge 0.6.2's GPTOSSBridge): each of its features that a converter
+# or an attention/MoE backend can drop while the model still loads and runs.
+def _needs_gpt_oss(layout, config) -> str | None:
+    if config is not None and getattr(config, "model_type", None) != "gpt_oss":
+        return "needs gpt-oss (attention sinks, sliding window, clamped SwiGLU, expert biases)"
+    return _needs_experts(layout, config)
+
+
+def _needs_gpt_oss_square_experts(layout, config) -> str | None:
+    if layout is not None and layout.expert_tp != 1:
+        return "needs whole experts on a rank (etp 1): a transposed shard is another shape"
+    return _needs_gpt_oss(layout, config)
+
+
+_GPT_OSS_KW = dict(default_layout="dp2", model="tiny-gpt-oss", options=_MOE_PARITY)
+_GPT_OSS = (
+    Variant("gpt-oss-sinks-dropped", "bridge", "upstream-bug",
+            "gpt-oss's attention sinks ignored: the softmax over the attention scores alone (softmax_type "
+            "'vanilla'), the loaded per-head sink logits (self_attn.sinks -> core_attention.softmax_offset) "
+            "never read",
+            "every attention row's weights too large by the mass the sink takes: logprobs off on every "
+            "token; the model loads and runs without an error",
+            "logprob parity vs HF: every metric",
+            upstream="vllm-project/vllm-metal PR 550 (the paged attention kernel hard-coded use_sinks = false: "
+                     "gpt-oss ran with its sinks never bound); sgl-project/sglang PR 30050 (MLX batched decode "
+                     "dropped the sinks)",
+            requires=_needs_gpt_oss, **_GPT_OSS_KW),
+    Variant("gpt-oss-window-ignored", "bridge", "upstream-bug",
+            "gpt-oss's sliding window ignored: layers 0, 2, ... attend to their whole causal context instead "
+            "of the last sliding_window positions",
+            "logprobs off from position sliding_window on (tiny-gpt-oss: window 8 of 24); a prompt shorter "
+            "than the window shows nothing",
+            "logprob parity vs HF: every metric",
+            upstream="sgl-project/sglang PR 30050 (the MLX backend's make_mask ignored window_size: gpt-oss's "
+                     "sliding layers silently ran full attention, invisible to prompts under 128 tokens)",
+            requires=_needs_gpt_oss, **_GPT_OSS_KW),
+    Variant("gpt-oss-clamp-missing", "bridge", "upstream-bug",
+            "gpt-oss's SwiGLU without its clamp (activation_func_clamp_value None): the gate not clamped "
+            "above 7 and up not to [-7, 7]",
+            "the experts' outputs off wherever a pre-activation passes 7 (tiny-gpt-oss's scaled expert "
+            "weights make that a few percent of them); no error",
+            "logprob parity vs HF: every metric",
+            upstream="sgl-project/sglang PR 39939 (the flashinfer_cutlass MoE runner never passed swiglu_limit: "
+                     "GPT-OSS experts ran plain SwiGLU)",
+            requires=_needs_gpt_oss, **_GPT_OSS_KW),
+    Variant("gpt-oss-expert-biases-dropped", "bridge", "negative-control",
+            "gpt-oss's expert biases (mlp.experts.gate_up_proj_bias, down_proj_bias) not loaded: "
+            "linear_fc1/linear_fc2 biases left at zero",
+            "every expert's output off by its biases: logprobs off on every token; no error",
+            "logprob parity vs HF: every metric",
+            upstream=None, requires=_needs_gpt_oss, **_GPT_OSS_KW),
+    Variant("gpt-oss-down-proj-transposed", "bridge", "upstream-bug",
+            "gpt-oss's expert down_proj loaded transposed: square experts (width == hidden, gpt-oss-20b's "
+            "2880) load either way without a shape error",
+            "every expert's output wrong: logprobs off on every token (Megatron-Bridge saw forward cosine "
+            "0.54 vs HF; NeMo-RL's gen_kl_error ~13)",
+            "logprob parity vs HF: every metric",
+            upstream="NVIDIA-NeMo/Megatron-Bridge PR 3743 (BF16 GPT-OSS down_proj stored transposed on import, "
+                     "fixed in 0.6.2's GPTOSSBridge.maybe_modify_loaded_hf_weight) and PR 3162 (down_proj "
+                     "double-transposed: NeMo-RL grpo-gptoss-20b gen_kl_error ~13)",
+            requires=_needs_gpt_oss_square_experts, **_GPT_OSS_KW),
+)
+
 _ENTRIES = _ENTRIES + _ROTATION + _OFFLOAD + _SYNC + _FP8 + _MOE + _CP_ENTRIES + _QWEN2_MOE + _GEMMA3 + _GLM4_MOE
+_ENTRIES = _ENTRIES + _GPT_OSS
 
 CATALOG: dict[str, Variant] = {v.id: v for v in _ENTRIES}
 

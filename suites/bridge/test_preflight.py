@@ -289,6 +289,34 @@ GLM4_MOE_UNSUPPORTED = {
 @pytest.mark.parametrize("config, drop, message", _params(GLM4_MOE_UNSUPPORTED))
 def test_glm4_moe_unsupported_feature_is_one_error(tmp_path, config, drop, message):
     path = local_checkpoint(tmp_path, "tiny-glm4-moe", config, None, drop)
+# ----------------------------------------------------------------------------- gpt-oss (issue 37)
+# What Megatron-Bridge 0.6.2's GPTOSSBridge would build otherwise than HF (harness.bridge.preflight): it always
+# builds q/k/v/o biases, the sliding window on every other layer (window_attn_skip_freq=2, from layer 0), and
+# gpt-oss's own YaRN (hard-coded, whatever the checkpoint says). mbridge 0.15.1 has no gpt-oss bridge: there
+# every one of these, the zoo model too, is refused by the bridge's name first.
+_GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                 "truncate": False, "original_max_position_embeddings": 4096}
+GPT_OSS_UNSUPPORTED = {
+    "gpt-oss-no-attention-bias": ({"attention_bias": False}, (), "attention_bias=False"),
+    "gpt-oss-window-pattern": ({"layer_types": ["full_attention", "sliding_attention"] * 2}, (), "layer_types"),
+    "gpt-oss-no-window": ({"sliding_window": 0}, (), "sliding_window=0"),
+    "gpt-oss-other-yarn": ({"rope_parameters": {**_GPT_OSS_YARN, "factor": 8.0}}, (), "hard-codes gpt-oss's YaRN"),
+    "gpt-oss-yarn-truncated": ({"rope_parameters": {**_GPT_OSS_YARN, "truncate": True}}, (), "'truncate': True"),
+    "gpt-oss-default-rope": ({"rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}}, (),
+                             "always builds YaRN"),
+    "gpt-oss-router-logits": ({"output_router_logits": True}, (), "output_router_logits=True"),
+    "gpt-oss-sinks-missing": (None, ("model.layers.1.self_attn.sinks",),
+                              "lacks tensors the model needs: model.layers.1.self_attn.sinks"),
+    "gpt-oss-expert-bias-missing": (None, ("model.layers.2.mlp.experts.down_proj_bias",),
+                                    "lacks tensors the model needs: model.layers.2.mlp.experts.down_proj_bias"),
+}
+
+
+@pytest.mark.parametrize("config, drop, message", _params(GPT_OSS_UNSUPPORTED))
+def test_gpt_oss_unsupported_feature_is_one_error(tmp_path, config, drop, message):
+    path = local_checkpoint(tmp_path, "tiny-gpt-oss", config, None, drop)
+    if not bridge_converts("tiny-gpt-oss"):
+        message = "model_type 'gpt_oss' is not supported by the mbridge bridge"
     with pytest.raises(UnsupportedModelError) as error:
         check_model_supported(path)
     assert message in str(error.value) and "\n" not in str(error.value)
@@ -340,3 +368,20 @@ def test_glm4_moe_tp_must_divide_the_shared_expert():
     with pytest.raises(LayoutError, match="tp=2 does not divide the shared experts' width=33"):
         validate(layout, 2, config)
 
+def test_gpt_oss_is_refused_by_name_where_the_bridge_has_none(monkeypatch, capsys):
+    """`mrh parity --model tiny-gpt-oss` on mbridge 0.15.1 (no gpt-oss bridge; megatron-core 0.16.1 has the
+    pieces, nothing maps HF's GptOss onto them): exit 2 and one line naming the bridge and what is missing,
+    before any world starts. On Megatron-Bridge 0.6.2 the same preflight passes, the 20b shape's too."""
+    import harness.parity.cli as cli
+
+    if bridge_converts("tiny-gpt-oss"):
+        assert current() == "megatron-bridge"
+        assert check_model_supported("tiny-gpt-oss").model_type == "gpt_oss"
+        assert check_model_supported("gpt-oss-shape").model_type == "gpt_oss"
+        return
+    assert current() == "mbridge"
+    monkeypatch.setattr(cli, "WorldPool", _untouched)
+    assert cli.main(_parity_args("tiny-gpt-oss")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not supported by the mbridge bridge" in err, err
+    assert "mbridge 0.15.1 has no gpt_oss bridge" in err and "megatron-bridge" in err, err

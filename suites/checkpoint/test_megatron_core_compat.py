@@ -149,3 +149,24 @@ def test_experts_are_marked_only_at_ep1_with_an_etp_of_their_own(version):
         compat.mark_expert_parameters(model, config())
     compat.mark_expert_parameters(model, config(expert_tensor_parallel_size=2))  # not its case: no gate
     assert all(not hasattr(p, "allreduce") for p in model.parameters())
+
+
+# gpt-oss's training workarounds (issue 37; harness.compat.megatron_core): verified on 0.19.2 only (stack B;
+# stack A builds no gpt-oss), so outside WORKAROUNDS; each refuses another version before touching anything.
+def test_gpt_oss_workarounds_mark_the_sinks_and_refuse_an_unverified_version(version):
+    gates = (compat.SOFTMAX_OFFSET_UNMARKED, compat.EXPERT_BIAS_SUMMED_OVER_TP, compat.EXPERT_BIAS_INPLACE_ON_VIEW)
+    assert all(w.verified_on == ("0.19.2",) and w.bug for w in gates)
+    attention = torch.nn.Module()
+    attention.core_attention = torch.nn.Module()
+    attention.core_attention.softmax_offset = torch.nn.Parameter(torch.zeros(2))
+    version("0.19.3")
+    for gate in gates:
+        with pytest.raises(compat.UnverifiedMegatronCoreError, match=gate.name):
+            compat.require(gate)
+    with pytest.raises(compat.UnverifiedMegatronCoreError, match="softmax-offset-unmarked"):
+        compat.mark_softmax_offsets([attention])
+    assert not getattr(attention.core_attention.softmax_offset, "tensor_model_parallel", False)  # untouched
+    version("0.19.2")
+    assert compat.mark_softmax_offsets([attention]) == [attention]
+    offset = attention.core_attention.softmax_offset
+    assert (offset.tensor_model_parallel, offset.partition_dim, offset.partition_stride) == (True, 0, 1)

@@ -41,6 +41,7 @@ def _state(name: str, seed: int = 0) -> dict[str, torch.Tensor]:
 
 def test_zoo_names():
     expected = {f"{family}{suffix}" for family in FAMILIES for suffix in ("", "-tied")}
+    expected |= {"tiny-gpt-oss", "gpt-oss-shape"}  # gpt-oss (issue 37)
     assert set(list_models()) == expected | {"qwen3-0.6b-shape", "tiny-qwen3-kv4", "tiny-qwen3-hd32", "tiny-llama3",
                                                  "tiny-qwen3-moe", "tiny-qwen3-moe-hd32", "tiny-mixtral",
                                                  "tiny-qwen3-tied-hd32", "tiny-qwen3-kv4-hd32", "tiny-qwen2-moe",
@@ -60,9 +61,11 @@ def test_tiny_shape_exercises_padding_and_layouts(name):
         assert config.num_hidden_layers % pp == 0
     kv_heads = 4 if "-kv4" in name else 2  # kv4: full multi-head attention, TP4-valid
     head_dim = 32 if name.endswith("-hd32") else 16  # hd32: the smallest head vLLM's CPU kernels take
+    # gpt-oss: square experts (width = hidden) and max_position_embeddings = YaRN's factor x original window
+    width, positions = (64, 131072) if name == "tiny-gpt-oss" else (128, 128)
     assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
             config.head_dim, config.intermediate_size, config.max_position_embeddings) == \
-        (64, 4, kv_heads, head_dim, 128, 128)
+        (64, 4, kv_heads, head_dim, width, positions)
     assert config.tie_word_embeddings == (name.removesuffix("-hd32").endswith("-tied") or name in ALWAYS_TIED)
 
 
@@ -132,6 +135,59 @@ def test_gemma3_shape_is_gemma_3_1b_text():
     else:  # Megatron-Bridge 0.6.2: refused by name (suites/bridge/test_preflight.py)
         with pytest.raises(UnsupportedModelError, match="gemma3_text"):
             check_model_supported("gemma3-shape")
+
+
+def test_gpt_oss_family_features():
+    """gpt-oss: every feature where it shows. Sinks spread to N(0, 1) (nonzero, of both signs); the sliding
+    window (8) shorter than the parity batch (24 positions) on layers 0 and 2; YaRN in all three of its
+    bands; biases everywhere; square experts; and the SwiGLU clamp biting on real activations."""
+    import math
+
+    from harness.data.rl_batch import STANDARD_SEQ_LEN
+
+    config = load_hf_config("tiny-gpt-oss")
+    assert config.model_type == "gpt_oss" and config.attention_bias and not config.tie_word_embeddings
+    assert config.layer_types == ["sliding_attention", "full_attention"] * 2
+    assert 1 < config.sliding_window < STANDARD_SEQ_LEN
+    assert (config.num_local_experts, config.num_experts_per_tok) == (4, 2)
+    assert config.intermediate_size == config.hidden_size  # square, as gpt-oss-20b's
+    rope = config.rope_parameters
+    assert rope["rope_type"] == "yarn" and rope["factor"] == 32.0 and rope["truncate"] is False
+    # YaRN's correction range (HF's find_correction_dim) over the head's 8 frequencies: some kept, some ramped,
+    # some interpolated.
+    dim, base, window = config.head_dim, rope["rope_theta"], rope["original_max_position_embeddings"]
+    bound = [dim * math.log(window / (beta * 2 * math.pi)) / (2 * math.log(base)) for beta in (32.0, 1.0)]
+    assert 0 < bound[0] < bound[1] < dim // 2 - 1
+    model = build_hf_model("tiny-gpt-oss")
+    state = model.state_dict()
+    sinks = torch.stack([state[f"model.layers.{i}.self_attn.sinks"] for i in range(4)])
+    assert sinks.abs().min() > 0 and sinks.min() < 0 < sinks.max() and 0.5 < sinks.std() < 2
+    for name in ("mlp.router.bias", "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias",
+                 "self_attn.o_proj.bias", "self_attn.q_proj.bias"):
+        assert state[f"model.layers.1.{name}"].abs().min() > 0, name
+    assert state["model.layers.0.mlp.experts.down_proj"].shape == (4, 64, 64)
+    # The clamp bites: the experts' pre-activations on a real forward pass 7 (the gate above, up either way).
+    seen = []
+    experts = model.model.layers[1].mlp.experts
+    hook = experts.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    with torch.no_grad():
+        model(torch.randint(3, config.vocab_size, (2, STANDARD_SEQ_LEN), generator=torch.Generator().manual_seed(0)))
+    hook.remove()
+    pre = seen[0] @ experts.gate_up_proj + experts.gate_up_proj_bias[:, None, :]  # every expert, every token
+    clamped = ((pre[..., ::2] > experts.limit).float().mean().item(),
+               (pre[..., 1::2].abs() > experts.limit).float().mean().item())
+    assert all(0.001 < share < 0.2 for share in clamped), clamped
+
+
+def test_gpt_oss_shape_is_the_real_architecture():
+    config = load_hf_config("gpt-oss-shape")  # config only: never built (~2.5e9 parameters)
+    assert config.model_type == "gpt_oss"
+    assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+            config.intermediate_size, config.num_local_experts, config.num_experts_per_tok, config.vocab_size,
+            config.sliding_window) == (2880, 64, 8, 64, 2880, 32, 4, 201088, 128)
+    assert 2 <= config.num_hidden_layers <= 4 and config.layer_types[:2] == ["sliding_attention", "full_attention"]
+    assert config.rope_parameters["rope_type"] == "yarn" and config.rope_parameters["rope_theta"] == 150000.0
+    assert config.attention_bias and not config.tie_word_embeddings and ZOO["gpt-oss-shape"].adjust_weights is None
 
 
 def test_qwen3_0p6b_shape_is_the_real_architecture():

@@ -212,3 +212,17 @@ def test_moe_job_killed_mid_save_leaves_a_resumable_root(policy, device, point, 
     else:
         assert verdict.outcome.crashed and verdict.outcome.exitcode == -9, verdict.summary()
     assert verdict.passed, verdict.summary()
+
+
+@pytest.mark.nightly
+@pytest.mark.layout_pairs(cpu=[("dp2ep2", "tp2etp1-sp"), ("tp2etp1-sp", "dp2ep2")])
+def test_gpt_oss_resume_at_another_expert_layout(policy, device, source, target, tmp_path, report):
+    """gpt-oss (stack B only): the experts (with their biases) split over EP, then whole beside a TP split
+    of the attention (its sinks split over the heads), and back."""
+    from harness.bridge.backends import current
+    from harness.bridge.preflight import bridge_converts
+
+    if not bridge_converts("tiny-gpt-oss"):
+        pytest.skip(f"the {current()} bridge does not convert tiny-gpt-oss "
+                    "(suites/bridge/test_preflight.py: refused)")
+    _resume_elsewhere(policy, source, target, tmp_path, report, model="tiny-gpt-oss")

@@ -76,3 +76,16 @@ def test_a_synced_engine_equals_the_trained_glm4_moe_policy(policy, device, layo
         "the routers' expert bias was never sent"
     assert straddling_groups(result.report), "no expert group straddles a bucket boundary: buckets too large"
 
+
+@pytest.mark.layouts(cpu=["tp2ep2etp1-sp"])
+def test_a_synced_engine_equals_the_trained_gpt_oss_policy(policy, device, layout, report):
+    """gpt-oss (stack B only): the sinks, the expert biases and the fused HF expert tensors (one tensor per
+    layer and projection, exported from the experts of every EP rank) sync with the rest."""
+    from harness.bridge.backends import current
+    from harness.bridge.preflight import bridge_converts
+
+    if not bridge_converts("tiny-gpt-oss"):
+        pytest.skip(f"the {current()} bridge does not convert tiny-gpt-oss (suites/bridge/test_preflight.py: refused)")
+    result = sync_check(policy, layout, "fp32", device=device, model="tiny-gpt-oss")
+    _record(report, result)
+    assert result.passed, result.summary()

@@ -22,6 +22,11 @@ What is set on Megatron-Bridge's model provider, and why (so that both bridges b
   p2p_communication.py:257-259), which only a send that completes before its receive is posted
   survives; a gloo send waits for the receive, so every pp2vpp2 training step on CPU hung, dense or
   MoE (0.16.1 too with the overlap off);
+- gpt-oss (GPTOSSBridge): the attention sinks marked as split over TP, and the expert biases' two
+  training bugs worked around, before DDP wraps the model (harness.compat.megatron_core:
+  SOFTMAX_OFFSET_UNMARKED, EXPERT_BIAS_SUMMED_OVER_TP, EXPERT_BIAS_INPLACE_ON_VIEW); the rest of what
+  GPTOSSBridge sets for GPUs (grouped GEMM, permute and bias-activation fusions) is turned off below as
+  for every MoE model;
 - MoE: the expert parallel sizes from parallel_state too; on the local spec SequentialMLP experts
   (`moe_grouped_gemm` off: the legacy GroupedMLP needs the CUDA grouped_gemm package) and no router
   fusion (TE kernels); no load-balancing loss (preflight.MOE_TRAINING_SETTINGS: the provider's
@@ -63,6 +68,11 @@ class MegatronBridgeHandle:
 
         import_bridge()
         from megatron.bridge import AutoBridge
+        from megatron.bridge.models.conversion.param_mapping import AutoMapping
+
+        # The local spec's core attention is the harness's DotProductAttention subclass
+        # (harness.parallel.cp_attention): its one parameter, gpt-oss's sinks, splits as the stock class's.
+        AutoMapping.register_module_type("GatheredKVAttention", "column")
         from megatron.core import parallel_state as ps
 
         self.hf_config = AutoConfig.from_pretrained(path)
@@ -118,6 +128,14 @@ class MegatronBridgeHandle:
         if self.rope.llama3:  # mbridge_compat override 4: the flag and factor here, the frequencies below
             provider.rope_scaling, provider.rope_scaling_factor = True, float(self.rope.llama3["factor"])
         provider.perform_initialization = False  # every parameter is loaded (unused_hf_tensors checks it)
+        if getattr(provider, "softmax_type", "vanilla") == "learnable":  # gpt-oss's sinks: TP-split, unmarked
+            from harness.compat.megatron_core import mark_softmax_offsets
+
+            provider.register_pre_wrap_hook(mark_softmax_offsets)
+        if num_experts(self.hf_config) and provider.add_bias_linear:  # gpt-oss's expert biases
+            from harness.compat.megatron_core import fix_expert_biases
+
+            provider.register_pre_wrap_hook(fix_expert_biases)
         provider.apply_overrides_and_finalize(dtype=dtype, overrides={**overrides, **(config_overrides or {})})
         self.provider = provider
         self.config = provider
