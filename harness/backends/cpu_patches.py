@@ -52,7 +52,10 @@ class _CudaToCpuMode(TorchFunctionMode):
             return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
         if "device" in kwargs:
             kwargs["device"] = _map_device(kwargs["device"])
-        if func in _DEVICE_FIRST_ARG and len(args) > 1 and _is_cuda_device(args[1]):
+        # A bare int is a size, not an ordinal, in new_empty/new_zeros(*sizes) (HF's DeepSeek-V3 MLA:
+        # `kv.new_empty(*shape)`): only `to` reads it as a device.
+        if func in _DEVICE_FIRST_ARG and len(args) > 1 and _is_cuda_device(args[1]) \
+                and (func is torch.Tensor.to or not isinstance(args[1], int)):
             args = (args[0], _CPU, *args[2:])
         return func(*args, **kwargs)
 

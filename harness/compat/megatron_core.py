@@ -480,3 +480,61 @@ def filter_expert_grads_over_expert_tp(optimizer) -> int:
     for part in parts:
         part.tp_group = parallel_state.get_expert_tensor_parallel_group()
     return len(parts)
+
+
+# megatron-core 0.16.1's local spec lists MLA (get_gpt_layer_local_spec(multi_latent_attention=True)) but
+# its core attention cannot be built there: MLASelfAttention passes `k_channels`/`v_channels` (the
+# q/k head of nope + rope and the v head) to its core attention, which TE's DotProductAttention takes and
+# the local DotProductAttention does not (TypeError: unexpected keyword argument 'k_channels'); and the
+# local one sizes its output `kv_channels x heads` whatever the value head is. Found here building
+# DeepSeek-V3 (issue 37) on the CPU tier. Its forward needs nothing else: the scores' GEMM takes the
+# q/k head as it comes, the softmax scale is MLA's own (mscale included), the context keeps v's width. We
+# build `MLADotProductAttention`: the same module, taking both and sizing its output by v's head.
+# Without Transformer Engine, MLASelfAttention.__init__ also tests `isinstance(self.linear_proj, TELinear)`
+# behind `HAVE_TE`, which is True whenever megatron.core.extensions.transformer_engine imports (it does
+# without TE, its TELinear then a MagicMock placeholder, not a class): TypeError. We give the module a
+# class nothing is an instance of.
+MLA_LOCAL_CORE_ATTENTION = Workaround(
+    "mla-local-core-attention", "MLA cannot be built without Transformer Engine: the local spec's "
+    "DotProductAttention takes no k_channels/v_channels and sizes its output kv_channels x heads, and "
+    "MLASelfAttention tests isinstance(linear_proj, TELinear) with TELinear a placeholder (TypeError)", ("0.16.1",))
+WORKAROUNDS += (MLA_LOCAL_CORE_ATTENTION,)
+
+
+@functools.cache
+def mla_dot_product_attention() -> type:
+    """`MLA_LOCAL_CORE_ATTENTION`: the local DotProductAttention, taking MLA's k/v head widths."""
+    require(MLA_LOCAL_CORE_ATTENTION)
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.utils import divide
+
+    class MLADotProductAttention(DotProductAttention):
+        def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None,
+                     **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            if v_channels is not None:  # the context [sq, b, heads/tp x v head]
+                self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
+            if k_channels is not None:
+                self.hidden_size_per_attention_head = k_channels
+                if kwargs.get("softmax_scale") is None:
+                    self.softmax_scale = 1.0 / divide(k_channels, 1) ** 0.5
+
+    return MLADotProductAttention
+
+
+def use_mla_local_core_attention(block_spec: Any) -> Any:
+    """Every MLASelfAttention of a local-spec block gets `mla_dot_product_attention()` as its core
+    attention (`MLA_LOCAL_CORE_ATTENTION`); other layers are left as they are. Returns the spec."""
+    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    if not isinstance(multi_latent_attention.TELinear, type):  # no TE: a placeholder; nothing is a _NoTELinear
+        require(MLA_LOCAL_CORE_ATTENTION)
+        multi_latent_attention.TELinear = type("_NoTELinear", (), {})
+    for layer in getattr(block_spec, "layer_specs", None) or [block_spec]:
+        attention = getattr(layer.submodules, "self_attention", None)
+        if attention is not None and attention.module is MLASelfAttention \
+                and attention.submodules.core_attention is DotProductAttention:
+            attention.submodules.core_attention = mla_dot_product_attention()
+    return block_spec

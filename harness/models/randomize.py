@@ -10,6 +10,7 @@ import torch
 
 NORM_SPREAD = 0.1  # norm weights ~ 1 + 0.1 * N(0, 1): near 1, so activations stay O(1)
 BIAS_STD = 0.1
+EXPERT_BIAS_BUFFERS = ("e_score_correction_bias",)  # router biases HF keeps as buffers, not parameters
 
 
 def _draw(name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
@@ -33,3 +34,8 @@ def randomize_weights(model: torch.nn.Module, seed: int) -> None:
     generator = torch.Generator(device="cpu").manual_seed(seed)
     for name, param in model.named_parameters():
         param.copy_(_draw(name, param.shape, generator))
+    # DeepSeek-V3's router bias is a buffer (`e_score_correction_bias`, zeros in HF's init): drawn after
+    # the parameters (so no other model's weights move), as a bias, so that a bridge that drops it shows.
+    for name, buffer in model.named_buffers():
+        if name.endswith(EXPERT_BIAS_BUFFERS):
+            buffer.copy_(BIAS_STD * torch.randn(buffer.shape, generator=generator, dtype=torch.float32))
