@@ -43,8 +43,12 @@ models and the Qwen3-0.6B shape, CPU and H100):
      choose, the best `topk_group` groups by the sum of their top 2 (megatron-core: top topk // group_topk,
      the same where preflight lets a model through), the top k in them, the chosen sigmoid scores
      renormalised and times `routed_scaling_factor`, all in float32; each expert's routing weight
-     applied in float32 to the rounded activation, rounded after (MLP's per_token_scale); the shared
-     experts (`shared_experts`, no gate) the dense MLP under `tp`, added after the routed sum.
+     applied in float32 to the rounded activation, rounded after (MLP's per_token_scale); an expert's
+     linear_fc2 partials over the expert-TP ranks summed in float32 (the reduce-scatter runs in the
+     routing weights' dtype), rounded; a token's experts' outputs summed in float32 (unpermute's
+     scatter_add_ of bf16 on CPU accumulates in float32: invisible with top-2, where 0 + a + b rounds
+     once either way, seen with top-4), rounded; the shared experts (`shared_experts`, no gate) the
+     dense MLP under `tp`, added after the routed sum.
 5. Multi-head latent attention (DeepSeek-V3): the down and up projections are column-parallel (no
    partial sums); o_proj is row-parallel (3.).
 
@@ -236,12 +240,30 @@ class MegatronRoundedDeepseekMoE(MegatronRoundedMoE):
         mlp = self.shared_experts  # SharedExpertMLP, computed before the router (no stream overlap)
         shared = mlp.down_proj(mlp.act_fn(mlp.gate_proj(tokens)) * mlp.up_proj(tokens))
         weights, chosen = self.route(tokens)
-        out = torch.zeros_like(tokens)
+        # A token's experts' outputs scattered into its row in expert order (unpermute's scatter_add_:
+        # on CPU it accumulates bf16 in float32, which top-4 shows and top-2 cannot), rounded.
+        out = torch.zeros_like(tokens, dtype=torch.float32)
         for e in range(self.experts.gate_up_proj.shape[0]):
             rows, slot = torch.where(chosen == e)
             if rows.numel():
-                out.index_add_(0, rows, self._expert(e, tokens[rows], weights[rows, slot]))
-        return (out + shared).reshape(shape)
+                out.index_add_(0, rows, self._expert(e, tokens[rows], weights[rows, slot]).float())
+        return (out.to(tokens.dtype) + shared).reshape(shape)
+
+    def _expert(self, e: int, tokens: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Expert `e`'s output: its linear_fc2 partials over the expert-TP ranks, each rounded, summed in
+        float32, the routing weights' dtype (the alltoall dispatcher's reduce-scatter, before unpermute),
+        rounded."""
+        gate, up = F.linear(tokens, self.experts.gate_up_proj[e]).chunk(2, dim=-1)
+        hidden = (self.experts.act_fn(gate) * up * weights.unsqueeze(-1)).to(tokens.dtype)
+        down, width = self.experts.down_proj[e], hidden.shape[-1] // self.partitions
+        if self.partitions == 1:
+            return F.linear(hidden, down)
+        out = None
+        for r in range(self.partitions):
+            part = F.linear(hidden[:, r * width:(r + 1) * width].contiguous(),
+                            down[:, r * width:(r + 1) * width].contiguous()).float()
+            out = part if out is None else out + part
+        return out.to(tokens.dtype)
 
 
 # Multi-head latent attention's projections (DeepSeek-V3), by how Megatron partitions them.
