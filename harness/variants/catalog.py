@@ -704,7 +704,59 @@ _QWEN2_MOE = (
             options=_MOE_PARITY),
 )
 
-_ENTRIES = _ENTRIES + _ROTATION + _OFFLOAD + _SYNC + _FP8 + _MOE + _CP_ENTRIES + _QWEN2_MOE
+
+# DeepSeek-V3 (issue 37): MLA and its router, each a thing a converter or framework can drop silently.
+def _needs_deepseek_v3(layout, config) -> str | None:
+    if config is not None and config.model_type != "deepseek_v3":
+        return "needs a DeepSeek-V3 model (MLA, a sigmoid router with expert bias and groups)"
+    return _needs_experts(layout, config)
+
+
+_DSV3 = dict(requires=_needs_deepseek_v3, default_layout="dp2", model="tiny-deepseek-v3", options=_MOE_PARITY)
+_DEEPSEEK_V3 = (
+    Variant("expert-bias-dropped", "bridge", "upstream-bug",
+            "DeepSeek-V3's router bias `e_score_correction_bias` not loaded (megatron-core's expert_bias left at "
+            "zeros): experts chosen by the sigmoid scores alone, where HF adds the bias to choose",
+            "tokens routed to other experts wherever the bias reorders their top k; the model runs",
+            "logprob parity vs HF: every metric",
+            upstream="NVIDIA-NeMo/Megatron-Bridge #4199 (expert_bias missing from the DeepSeek HF<->Megatron "
+                     "mapping); PrimeIntellect-ai/prime-rl PR 2681 review (HF export writes the bias as zeros)",
+            **_DSV3),
+    Variant("routed-scaling-dropped", "bridge", "upstream-bug",
+            "DeepSeek-V3's routed_scaling_factor (2.5) not passed to the router "
+            "(moe_router_topk_scaling_factor None): the routed experts' weights sum to 1, not 2.5",
+            "every MoE layer's routed output 2.5x too small against the shared experts; the model runs",
+            "logprob parity vs HF: every metric",
+            upstream="vllm-project/vllm PR 23123 (grouped top-k passed routed_scaling_factor as 1.0); "
+                     "sgl-project/sglang-jax PR 1282 (the factor skipped when norm_topk_prob is off)",
+            **_DSV3),
+    Variant("group-limited-routing-ignored", "bridge", "upstream-bug",
+            "DeepSeek-V3's group-limited routing dropped (moe_router_num_groups/group_topk unset): the top k "
+            "of every expert, where HF picks the best topk_group of n_group groups first",
+            "tokens whose top k spans more than topk_group groups routed to other experts; the model runs",
+            "logprob parity vs HF: every metric",
+            upstream="mbridge 0.15.1 DeepseekV3Bridge never sets moe_router_num_groups/moe_router_group_topk "
+                     "(found by this harness; harness.bridge.mbridge_compat, override 14); the group score: "
+                     "NVIDIA/Megatron-LM #1441 (top-2 per group hard-coded)",
+            **_DSV3),
+    Variant("mla-rope-nope-swapped", "bridge", "negative-control",
+            "MLA's query heads split in the wrong order: q_b_proj's per-head rows read as [rope, nope] instead "
+            "of [nope, rope] (a converter's layout error)",
+            "each head rotates the features that should pass and passes those that should rotate; every "
+            "token's attention off; the model runs",
+            "logprob parity vs HF: every metric", upstream="none found", **_DSV3),
+    Variant("yarn-mscale-missing", "bridge", "upstream-bug",
+            "MLA's softmax scale without YaRN's mscale^2 (1/sqrt(q head dim) alone; 1.30x at the tiny model's "
+            "factor 4, 1.87x at DeepSeek-V3's 40)",
+            "attention logits too flat on every token past the first; the model runs",
+            "logprob parity vs HF: every metric",
+            upstream="onnxruntime/mobius PR 548 (the mscale^2 softmax correction missing from DeepSeek MLA); "
+                     "NVIDIA/Megatron-LM #1429 (computed from mscale instead of mscale_all_dim); stock mbridge "
+                     "0.15.1 builds no YaRN at all on transformers 5 (override 13)",
+            **_DSV3),
+)
+
+_ENTRIES = _ENTRIES + _ROTATION + _OFFLOAD + _SYNC + _FP8 + _MOE + _CP_ENTRIES + _QWEN2_MOE + _DEEPSEEK_V3
 
 CATALOG: dict[str, Variant] = {v.id: v for v in _ENTRIES}
 
