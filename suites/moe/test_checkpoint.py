@@ -192,3 +192,17 @@ def test_moe_job_killed_mid_save_leaves_a_resumable_root(policy, device, point, 
     else:
         assert verdict.outcome.crashed and verdict.outcome.exitcode == -9, verdict.summary()
     assert verdict.passed, verdict.summary()
+
+
+@pytest.mark.nightly
+@pytest.mark.layout_pairs(cpu=[("dp2ep2", "tp2-sp"), ("tp2-sp", "dp2ep2")])
+def test_deepseek_v3_resume_at_another_expert_layout(policy, device, source, target, tmp_path, report):
+    """DeepSeek-V3 (stack A only): MLA's projections (column-parallel under TP), the router's expert bias
+    (a buffer) and the shared experts reshard with the routed experts."""
+    from harness.bridge.backends import current
+    from harness.bridge.preflight import bridge_converts
+
+    if not bridge_converts("tiny-deepseek-v3"):
+        pytest.skip(f"the {current()} bridge does not convert tiny-deepseek-v3 "
+                    "(suites/bridge/test_preflight.py: refused)")
+    _resume_elsewhere(policy, source, target, tmp_path, report, model="tiny-deepseek-v3")

@@ -56,3 +56,19 @@ def test_a_synced_engine_equals_the_trained_qwen2_moe_policy(policy, device, lay
     _record(report, result)
     assert result.passed, result.summary()
     assert straddling_groups(result.report), "no expert group straddles a bucket boundary: buckets too large"
+
+
+@pytest.mark.nightly
+@pytest.mark.layouts(cpu=["tp2ep2etp1-sp"])
+def test_a_synced_engine_equals_the_trained_deepseek_v3_policy(policy, device, layout, report):
+    """DeepSeek-V3 (stack A only): MLA, the dense first layer, the expert bias and the shared experts sync
+    into the HF engine with the routed experts."""
+    from harness.bridge.backends import current
+    from harness.bridge.preflight import bridge_converts
+
+    if not bridge_converts("tiny-deepseek-v3"):
+        pytest.skip(f"the {current()} bridge does not convert tiny-deepseek-v3 "
+                    "(suites/bridge/test_preflight.py: refused)")
+    result = sync_check(policy, layout, "fp32", device=device, model="tiny-deepseek-v3")
+    _record(report, result)
+    assert result.passed, result.summary()
