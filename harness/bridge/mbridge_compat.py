@@ -111,6 +111,10 @@ behaviour it replaces and why:
    bridge sets `mtp_num_layers` to the config's `num_nextn_predict_layers` even when that is 0, and
    GPTModel then takes the MTP path for any value but None (AttributeError on the labels of a forward
    without them): None (preflight refuses a checkpoint with MTP layers).
+15. MLA on the local spec (megatron-core 0.16.1, found here): every MLASelfAttention of the local block
+   spec gets the version-gated `harness.compat.megatron_core.mla_dot_product_attention()` as its core
+   attention (`MLA_LOCAL_CORE_ATTENTION`: the local DotProductAttention takes no k/v head widths and
+   MLASelfAttention tests isinstance against TE's placeholder), so DeepSeek-V3 builds without TE.
 """
 from __future__ import annotations
 
@@ -251,8 +255,8 @@ class HarnessBridgeMixin:
         if match:
             layer, norm = match.groups()
             return [f"model.layers.{layer}.{_LOCAL_NORM_TO_HF[norm]}.weight"]
-        match = _LOCAL_MLA_NORM.fullmatch(mcore_weights_name)
-        if match:
+        match = _LOCAL_MLA_NORM.fullmatch(mcore_weights_name) if self.hf_config.model_type == "deepseek_v3" else None
+        if match:  # MLA's (Qwen3's q/k_layernorm are its QK-norm, which mbridge maps itself)
             layer, norm = match.groups()
             return [f"model.layers.{layer}.self_attn.{_LOCAL_MLA_NORM_TO_HF[norm]}.weight"]
         return super()._weight_name_mapping_mcore_to_hf(mcore_weights_name)

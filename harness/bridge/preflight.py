@@ -18,6 +18,10 @@ What is refused, and why each would otherwise go wrong without an error:
   renormalisation), a Qwen2-MoE without its shared expert or its q/k/v biases (mbridge builds both),
   router jitter noise (Mixtral `router_jitter_noise`: random routing in training), HF's load-balancing
   loss (`output_router_logits=True`: not megatron-core's per-layer aux loss);
+- DeepSeek-V3 (mbridge only): a router megatron-core cannot reproduce (norm_topk_prob=False, a group
+  score other than HF's top 2, n_group not dividing the experts), no shared experts, no low-rank query,
+  plain-halves RoPE, MTP layers, an FP8-quantised checkpoint, a YaRN without every value megatron-core
+  takes (`_yarn_values`); MLA's TP splits are layout checks (`harness.parallel.layout`);
 - hidden_act other than silu (mbridge always builds SwiGLU);
 - sliding-window attention (Megatron's local spec attends to the full causal context);
 - RoPE types other than default and llama3, and partial rotary (mbridge maps neither);

@@ -160,4 +160,11 @@ def checkpoint_slots(model) -> dict[str, tuple[torch.nn.Parameter, torch.Tensor]
         if not torch.all(which == which.flatten()[0]):
             raise ValueError(f"{name}: a checkpoint tensor drawn from several parameters")
         slots[name] = (order[int(which.flatten()[0])], (tag - which * (1 << 40)).long().clone())
+    # Router biases HF keeps as buffers (DeepSeek-V3's e_score_correction_bias): checkpoint tensors the
+    # trainer exports and a sync must carry, whole.
+    from harness.models.randomize import EXPERT_BIAS_BUFFERS
+
+    for name, buffer in model.named_buffers():
+        if name.endswith(EXPERT_BIAS_BUFFERS) and name not in slots:
+            slots[name] = (buffer, torch.arange(buffer.numel()).view(buffer.shape))
     return slots
