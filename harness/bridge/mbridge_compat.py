@@ -345,6 +345,10 @@ class HarnessBridgeMixin:
 
         mark_expert_parameters(model, self.config)
         mark_split_expert_weights(model, self.config)  # override 11
+        if getattr(self.config, "multi_latent_attention", False):  # override 15: MLA's rope key gradient under TP
+            from harness.compat.megatron_core import sum_mla_rope_key_grad
+
+            sum_mla_rope_key_grad(model, self.config)
 
     def _harness_set_rope_frequencies(self, model: torch.nn.Module, **unused: Any) -> None:
         rope = rope_settings(self.hf_config)

@@ -538,3 +538,79 @@ def use_mla_local_core_attention(block_spec: Any) -> Any:
                 and attention.submodules.core_attention is DotProductAttention:
             attention.submodules.core_attention = mla_dot_product_attention()
     return block_spec
+
+
+# megatron-core 0.16.1's MLA on the local spec under tensor parallelism (found here, issue 37): the local
+# spec's `linear_kv_down_proj` is column-parallel; MLASelfAttention gathers its output over TP
+# (`gather_from_tensor_model_parallel_region`) and splits it into the compressed kv and the rope key
+# `k_pos_emb`, which every TP rank then uses for its own heads only. The gather's backward splits the
+# gradient along the last dim without summing the ranks' partial `k_pos_emb` gradients (the compressed
+# kv's are summed by linear_kv_up_proj's backward): at tp2-sp the step-0 grad norm was 3.4% off the
+# single-process ground truth (tiny-deepseek-v3, fp32, CPU), the loss equal. We gather that output
+# with a backward that sums the rope columns' gradient over TP before splitting.
+MLA_ROPE_KEY_GRAD = Workaround(
+    "mla-rope-key-grad", "local-spec MLA under TP: the shared rope key's gradient is not summed over the TP "
+    "ranks (the column-parallel kv down projection's gather splits it without reducing)", ("0.16.1",))
+WORKAROUNDS += (MLA_ROPE_KEY_GRAD,)
+
+
+def _mla_gather_class() -> type:
+    from megatron.core.tensor_parallel.mappings import _gather_along_last_dim, _split_along_last_dim
+
+    class GatherKvSummingRopeGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, input_, group, rope):
+            ctx.group, ctx.rope = group, rope
+            return _gather_along_last_dim(input_, group)
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad = grad.contiguous().clone()
+            rope = grad[..., -ctx.rope:].contiguous()
+            torch.distributed.all_reduce(rope, group=ctx.group)
+            grad[..., -ctx.rope:] = rope
+            return _split_along_last_dim(grad, ctx.group), None, None
+
+    return GatherKvSummingRopeGrad
+
+
+_MLA_ROPE_TAG = "_harness_mla_rope_width"
+
+
+def sum_mla_rope_key_grad(model: torch.nn.Module, config) -> int:
+    """`MLA_ROPE_KEY_GRAD`: every local-spec MLA layer's kv down projection output gathered with the rope
+    columns' gradient summed over TP (tp > 1). Returns the number of layers handled."""
+    if not getattr(config, "multi_latent_attention", False) or config.tensor_model_parallel_size == 1:
+        return 0
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.tensor_parallel.mappings import get_tensor_model_parallel_group_if_none
+    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    layers = [m for m in model.modules() if isinstance(m, MLASelfAttention)
+              and isinstance(m.linear_kv_down_proj, ColumnParallelLinear)]
+    if not layers:
+        return 0
+    require(MLA_ROPE_KEY_GRAD)
+    if not applies(MLA_ROPE_KEY_GRAD):
+        return 0
+    stock = multi_latent_attention.gather_from_tensor_model_parallel_region
+    if not getattr(stock, "_harness_mla", False):
+        gather_class = _mla_gather_class()
+
+        def gather(input_, group=None):
+            rope = getattr(input_, _MLA_ROPE_TAG, None)
+            if rope is None:
+                return stock(input_, group)
+            return gather_class.apply(input_, get_tensor_model_parallel_group_if_none(group), rope)
+
+        gather._harness_mla = True
+        multi_latent_attention.gather_from_tensor_model_parallel_region = gather
+
+    def tag(module, args, output, rope=config.qk_pos_emb_head_dim):
+        setattr(output[0], _MLA_ROPE_TAG, rope)  # read by the gather above, the next call on this tensor
+        return output
+
+    for layer in layers:
+        layer.linear_kv_down_proj.register_forward_hook(tag)
+    return len(layers)

@@ -199,11 +199,10 @@ def test_moe_job_killed_mid_save_leaves_a_resumable_root(policy, device, point, 
 
 
 @pytest.mark.nightly
-@pytest.mark.layout_pairs(cpu=[("dp2ep2", "pp2"), ("pp2", "dp2ep2")])
+@pytest.mark.layout_pairs(cpu=[("dp2ep2", "pp2"), ("pp2", "dp2ep2"), ("dp2ep2", "tp2-sp")])
 def test_deepseek_v3_resume_at_another_expert_layout(policy, device, source, target, tmp_path, report):
-    """DeepSeek-V3 (stack A only): MLA, the dense first layer, the router's expert bias (a buffer) and the
-    shared experts reshard with the routed experts (experts over EP, then layers over PP). Not under TP:
-    a tp2-sp side re-saves equal but its next step is the open finding of test_training.py."""
+    """DeepSeek-V3 (stack A only): MLA (column-parallel under TP), the dense first layer, the router's
+    expert bias (a buffer) and the shared experts reshard with the routed experts."""
     from harness.bridge.backends import current
     from harness.bridge.preflight import bridge_converts
 

@@ -110,31 +110,18 @@ def test_moe_policy_steps_match_ground_truth_at_ep1_with_etp_below_tp(policy, de
 
 # DeepSeek-V3 (stack A only): MLA, the dense first layer, the sigmoid router (its expert bias fixed:
 # compat override 14 sets moe_router_bias_update_rate 0, as HF keeps it) and the shared experts train
-# across layouts as in one process. Nightly (CI's MoE training slice is Qwen3-MoE's and Qwen2-MoE's).
-# Under tensor parallelism (tp2-sp, tp2ep2etp1-sp) it does not: an open finding (docs/moe.md), held by the
-# strict xfail below so that a fix shows.
+# across layouts as in one process; under TP with megatron-core 0.16.1's MLA rope-key gradient summed over
+# the TP ranks (harness.compat.megatron_core.MLA_ROPE_KEY_GRAD: stock, tp2-sp's step-0 grad norm was 3.4%
+# off). Nightly (CI's MoE training slice is Qwen3-MoE's and Qwen2-MoE's).
 DEEPSEEK_V3 = "tiny-deepseek-v3"
 
 
-def _deepseek_v3(policy, layout, report):
+@pytest.mark.nightly
+@pytest.mark.layouts(cpu=["tp1", "dp2ep2", "tp2-sp", "tp2ep2etp1-sp", "pp2"], cuda=["tp1", "dp2ep2", "tp2-sp", "pp2"])
+def test_deepseek_v3_policy_steps_match_ground_truth(policy, device, layout, report):
     from harness.bridge.backends import current
     from harness.bridge.preflight import bridge_converts
 
     if not bridge_converts(DEEPSEEK_V3):
         pytest.skip(f"the {current()} bridge does not convert {DEEPSEEK_V3} (suites/bridge/test_preflight.py: refused)")
     _check(policy, layout, report, model=DEEPSEEK_V3)
-
-
-@pytest.mark.nightly
-@pytest.mark.layouts(cpu=["tp1", "dp2ep2", "pp2"], cuda=["tp1", "dp2ep2", "pp2"])
-def test_deepseek_v3_policy_steps_match_ground_truth(policy, device, layout, report):
-    _deepseek_v3(policy, layout, report)
-
-
-@pytest.mark.nightly
-@pytest.mark.xfail(strict=True, reason="open finding: megatron-core 0.16.1's local-spec MLA under tp2-sp trains "
-                   "off the single-process ground truth (step-0 grad norm 5.012 vs 5.187, fp32, CPU; the forward "
-                   "matches HF at 2.4e-6); not yet diagnosed (docs/moe.md)")
-@pytest.mark.layouts(cpu=["tp2-sp", "tp2ep2etp1-sp"])
-def test_deepseek_v3_policy_under_tensor_parallelism_is_an_open_finding(policy, device, layout, report):
-    _deepseek_v3(policy, layout, report)
