@@ -114,7 +114,9 @@ behaviour it replaces and why:
 15. MLA on the local spec (megatron-core 0.16.1, found here): every MLASelfAttention of the local block
    spec gets the version-gated `harness.compat.megatron_core.mla_dot_product_attention()` as its core
    attention (`MLA_LOCAL_CORE_ATTENTION`: the local DotProductAttention takes no k/v head widths and
-   MLASelfAttention tests isinstance against TE's placeholder), so DeepSeek-V3 builds without TE.
+   MLASelfAttention tests isinstance against TE's placeholder), so DeepSeek-V3 builds without TE; and,
+   under TP, each chunk's kv down projection gathered with the rope key's gradient summed over TP
+   (`MLA_ROPE_KEY_GRAD`: stock, tp2-sp trained with a 3.4% grad-norm error).
 """
 from __future__ import annotations
 
