@@ -498,7 +498,8 @@ MLA_LOCAL_CORE_ATTENTION = Workaround(
     "mla-local-core-attention", "MLA cannot be built without Transformer Engine: the local spec's "
     "DotProductAttention takes no k_channels/v_channels and sizes its output kv_channels x heads, and "
     "MLASelfAttention tests isinstance(linear_proj, TELinear) with TELinear a placeholder (TypeError)", ("0.16.1",))
-WORKAROUNDS += (MLA_LOCAL_CORE_ATTENTION,)
+# Not in WORKAROUNDS (as MOE_TE_GEMM_UNDEFINED): DeepSeek-V3 runs on stack A only (refused by name on stack
+# B, megatron-core 0.19.2, whose source has the same code, read but not run); `require` still gates each use.
 
 
 @functools.cache
@@ -551,7 +552,7 @@ def use_mla_local_core_attention(block_spec: Any) -> Any:
 MLA_ROPE_KEY_GRAD = Workaround(
     "mla-rope-key-grad", "local-spec MLA under TP: the shared rope key's gradient is not summed over the TP "
     "ranks (the column-parallel kv down projection's gather splits it without reducing)", ("0.16.1",))
-WORKAROUNDS += (MLA_ROPE_KEY_GRAD,)
+# Not in WORKAROUNDS either: stack A only (as MLA_LOCAL_CORE_ATTENTION).
 
 
 def _mla_gather_class() -> type:
