@@ -97,8 +97,8 @@ _TINY_QWEN2_MOE: dict[str, Any] = dict(
 # scored by a sigmoid plus the per-expert `e_score_correction_bias` (random, see harness.models.randomize),
 # the best 2 groups by the sum of their top 2 scores, the top 4 experts in them (4 / 2 = 2 per group: the
 # top-2 group score megatron-core computes as topk // group_topk, HF always as 2), renormalised and scaled
-# by routed_scaling_factor 2.5; 2 shared experts (width 32). The groups change the top 4: the best 4 of 16
-# sigmoid scores lie in 3 or 4 groups for most tokens.
+# by routed_scaling_factor 2.5; 2 shared experts (width 32). That the groups, the bias and the scale each
+# change the output is measured by the catalog's DeepSeek-V3 variants (docs/moe.md).
 _TINY_DEEPSEEK_V3: dict[str, Any] = dict(
     hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
     q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
