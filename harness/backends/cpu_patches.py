@@ -54,7 +54,10 @@ class _CudaToCpuMode(TorchFunctionMode):
             kwargs["device"] = _map_device(kwargs["device"])
         if kwargs.get("pin_memory"):  # CP's RoPE slice (get_pos_emb_on_this_cp_rank): no pinned memory here
             kwargs["pin_memory"] = False
-        if func in _DEVICE_FIRST_ARG and len(args) > 1 and _is_cuda_device(args[1]):
+        # A bare int is a size, not an ordinal, in new_empty/new_zeros(*sizes) (HF's DeepSeek-V3 MLA:
+        # `kv.new_empty(*shape)`): only `to` reads it as a device.
+        if func in _DEVICE_FIRST_ARG and len(args) > 1 and _is_cuda_device(args[1]) \
+                and (func is torch.Tensor.to or not isinstance(args[1], int)):
             args = (args[0], _CPU, *args[2:])
         return func(*args, **kwargs)
 

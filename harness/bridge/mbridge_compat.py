@@ -7,7 +7,9 @@ behaviour it replaces and why:
 1. Layer spec: stock `_get_transformer_layer_spec` hard-codes `use_transformer_engine=True`
    (NameError: TENorm without TE). Without TE we build Megatron's local spec instead.
 2. Local-spec weight names: the local spec has `input_layernorm.weight` / `pre_mlp_layernorm.weight`
-   where TE fuses them into `linear_qkv.layer_norm_weight` / `linear_fc1.layer_norm_weight`. Stock
+   where TE fuses them into `linear_qkv.layer_norm_weight` / `linear_fc1.layer_norm_weight` (and, with
+   MLA, `self_attention.q_layernorm` / `kv_layernorm` where TE has `linear_q_up_proj.layer_norm_weight` /
+   `linear_kv_up_proj.layer_norm_weight`: HF's q_a_layernorm / kv_a_layernorm). Stock
    mbridge has no mapping for them (and routes any name containing "mlp", such as
    pre_mlp_layernorm, to its MLP table): we map them to HF's input_layernorm /
    post_attention_layernorm.
@@ -88,7 +90,7 @@ behaviour it replaces and why:
    harness's own `HarnessGemma3TextBridge` (harness.bridge.gemma3: this mixin on mbridge's LLMBridge, with
    Gemma's zero-centered norms, post-attention/post-feedforward norms, sliding-window layers from
    `layer_types`, local/global RoPE bases, embedding scale and query_pre_attn_scalar).
-16. GLM-4.5-MoE (mbridge 0.15.1's GLM4MoEBridge with transformers 5, found here): its `_get_gptmodel_args`
+14. GLM-4.5-MoE (mbridge 0.15.1's GLM4MoEBridge with transformers 5, found here): its `_get_gptmodel_args`
    reads `hf_config.rope_theta` (AttributeError in transformers 5, as override 4), and override 4's
    replacement dropped the bridge's `rotary_percent`: GLM's partial RoPE (`partial_rotary_factor` 0.5: HF
    rotates the first half of each head and passes the rest through) would run on every dim of the head (the
@@ -98,11 +100,46 @@ behaviour it replaces and why:
    `moe_router_load_balancing_type="seq_aux_loss"` gives way to MOE_TRAINING_SETTINGS (none, as HF trains
    with output_router_logits off); its expert bias is loaded (`mlp.router.expert_bias`, a buffer in the
    state dict) and never updated (`moe_router_bias_update_rate` 0, the bridge's own).
+15. DeepSeek-V3's RoPE (mbridge 0.15.1 with transformers 5, found here): `DeepseekV3Bridge._build_config`
+   reads `hf_config.rope_theta` (AttributeError in transformers 5, as override 4) and takes the YaRN
+   settings from `hf_config.rope_scaling` by the key `type`, where transformers 5 (and DeepSeek-V3's own
+   config.json since its rope_scaling has `type`, but transformers normalises it) names it `rope_type`:
+   its default `"type": "rope"` then stands, and megatron-core's MLA builds a plain RotaryEmbedding
+   and no softmax mscale (the catalog's `yarn-mscale-missing` is the mscale half of it). We hand the
+   bridge a view of the config with `rope_theta` and `rope_scaling = {"type": "yarn", ...}` from
+   `harness.bridge.preflight.rope_settings`, which refuses a YaRN without every value megatron-core takes
+   (mbridge would fill in its own defaults, where HF's differ). The bridge also passes YaRN's original
+   window as `max_position_embeddings`, which megatron-core 0.16.1's MLATransformerConfig names
+   `original_max_position_embeddings` (TypeError: the bridge builds nothing on this stack as shipped):
+   renamed on its way in. Its `_get_safetensor_io` reads an fp32 checkpoint with `raise NotImplemented(...)`
+   (TypeError: NotImplemented is not callable) and a bf16 one through its FP8-dequantising reader: we read
+   both with mbridge's plain SafeTensorIO (preflight refuses an FP8-quantised checkpoint). Its own
+   `_model_provider` drops LLMBridge's vocab padding: the model is built with the bare vocab (251 does
+   not split over tp 2) and loading asserts on the unset `vocab_size`; we pad as LLMBridge does, in
+   `_get_gptmodel_args`, which its provider calls.
+16. DeepSeek-V3's group-limited routing (mbridge 0.15.1, found here): `DeepseekV3Bridge` never sets
+   `moe_router_num_groups`/`moe_router_group_topk`, so megatron-core routes to the top k of all experts
+   where HF picks the best `topk_group` of `n_group` groups first (the catalog's
+   `group-limited-routing-ignored`). We set both from the config. Its `moe_router_bias_update_rate`
+   (1e-3: megatron-core's aux-loss-free balancing moves `e_score_correction_bias` after every step) is
+   set to 0: HF keeps the bias fixed, and the harness trains what HF computes, without balancing
+   (MOE_TRAINING_SETTINGS); its fused MLA RoPE and the stream overlap of the shared experts are off
+   (CUDA kernels and streams: the CPU tier has neither; the forward is the same arithmetic). The
+   bridge sets `mtp_num_layers` to the config's `num_nextn_predict_layers` even when that is 0, and
+   GPTModel then takes the MTP path for any value but None (AttributeError on the labels of a forward
+   without them): None (preflight refuses a checkpoint with MTP layers).
+17. MLA on the local spec (megatron-core 0.16.1, found here): every MLASelfAttention of the local block
+   spec gets the version-gated `harness.compat.megatron_core.mla_dot_product_attention()` as its core
+   attention (`MLA_LOCAL_CORE_ATTENTION`: the local DotProductAttention takes no k/v head widths and
+   MLASelfAttention tests isinstance against TE's placeholder), so DeepSeek-V3 builds without TE; and,
+   under TP, each chunk's kv down projection gathered with the rope key's gradient summed over TP
+   (`MLA_ROPE_KEY_GRAD`: stock, tp2-sp trained with a 3.4% grad-norm error).
 """
 from __future__ import annotations
 
 import copy
 import functools
+import math
 import inspect
 import re
 from pathlib import Path
@@ -135,6 +172,10 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOCAL_NORM = re.compile(r"decoder\.layers\.(\d+)\.(input_layernorm|pre_mlp_layernorm)\.weight")
 _LOCAL_NORM_TO_HF = {"input_layernorm": "input_layernorm",
                      "pre_mlp_layernorm": "post_attention_layernorm"}
+# MLA's local-spec norms (DeepSeek-V3; TE fuses them into linear_q_up_proj / linear_kv_up_proj as
+# layer_norm_weight, which mbridge maps) -> HF names (override 2).
+_LOCAL_MLA_NORM = re.compile(r"decoder\.layers\.(\d+)\.self_attention\.(q_layernorm|kv_layernorm)\.weight")
+_LOCAL_MLA_NORM_TO_HF = {"q_layernorm": "q_a_layernorm", "kv_layernorm": "kv_a_layernorm"}
 # mbridge's MoE bridges turn on fusions whose kernels the local spec lacks (TE/Apex): off, as
 # megatron-core defaults them and as the dense bridges leave them.
 _MOE_LOCAL_FUSIONS_OFF = {name: False for name in (
@@ -142,8 +183,33 @@ _MOE_LOCAL_FUSIONS_OFF = {name: False for name in (
     "gradient_accumulation_fusion")}
 # Qwen2-MoE's shared expert as HF computes it (override 12): its sigmoid gate on, no stream overlap.
 QWEN2_MOE_SHARED_EXPERT = {"moe_shared_expert_gate": True, "moe_shared_expert_overlap": False}
-# GLM-4.5-MoE's shared expert without stream overlap (override 16): CUDA streams, which the CPU tier lacks.
+# GLM-4.5-MoE's shared expert without stream overlap (override 14): CUDA streams, which the CPU tier lacks.
 GLM4_MOE_SETTINGS = {"moe_shared_expert_overlap": False, "moe_router_bias_update_rate": 0.0}
+# DeepSeek-V3's router and shared experts as HF computes them (override 16).
+def deepseek_v3_settings(hf_config: PretrainedConfig) -> dict[str, Any]:
+    return {"moe_router_num_groups": getattr(hf_config, "n_group", None) or None,
+            "moe_router_group_topk": getattr(hf_config, "topk_group", None) or None,
+            "moe_router_bias_update_rate": 0.0, "moe_shared_expert_overlap": False, "apply_rope_fusion": False,
+            "mtp_num_layers": None}
+
+
+class _RopeConfigView:
+    """An HF config as mbridge's DeepseekV3Bridge reads it (override 15): `rope_theta` and a
+    `rope_scaling` with the key `type`; every other attribute the config's own."""
+
+    def __init__(self, config: PretrainedConfig, rope: RopeSettings) -> None:
+        self._config = config
+        self._extra = {"rope_theta": rope.theta,
+                       "rope_scaling": {"type": "yarn", **rope.yarn} if rope.yarn else None}
+
+    def __getattr__(self, name: str) -> Any:
+        extra = self.__dict__["_extra"]
+        return extra[name] if name in extra else getattr(self.__dict__["_config"], name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._extra or hasattr(self._config, name)
+
+
 # SequentialMLP's experts (the local spec) -> TEGroupedMLP's names, which mbridge maps (override 8).
 _LOCAL_EXPERT = re.compile(r"(.*\.mlp\.experts)\.local_experts\.(\d+)\.(linear_fc[12])\.weight")
 
@@ -173,10 +239,31 @@ class HarnessBridgeMixin:
             self.set_extra_args(moe_router_pre_softmax=False)
         if hf_config.model_type == "qwen2_moe":  # override 12
             self.set_extra_args(**QWEN2_MOE_SHARED_EXPERT)
-        if hf_config.model_type == "glm4_moe":  # override 16
+        if hf_config.model_type == "glm4_moe":  # override 14
             self.set_extra_args(**GLM4_MOE_SETTINGS)
+        if hf_config.model_type == "deepseek_v3":  # override 16
+            self.set_extra_args(**deepseek_v3_settings(hf_config))
+
+    def _get_safetensor_io(self, weights_path: str):
+        if self.hf_config.model_type != "deepseek_v3":
+            return super()._get_safetensor_io(weights_path)
+        from mbridge.core.safetensor_io import SafeTensorIO  # override 15: the unquantised checkpoint
+
+        return SafeTensorIO(self._get_actual_hf_path(weights_path))
+
+    def _build_config(self):
+        if self.hf_config.model_type != "deepseek_v3":
+            return super()._build_config()
+        real = self.hf_config  # override 15: mbridge reads the view, everything else the config
+        self.hf_config = _RopeConfigView(real, rope_settings(real))
+        try:
+            return super()._build_config()
+        finally:
+            self.hf_config = real
 
     def _build_base_config(self, text_config_key: Optional[str] = None, **kwargs: Any):
+        if self.hf_config.model_type == "deepseek_v3" and "max_position_embeddings" in kwargs:  # override 15
+            kwargs["original_max_position_embeddings"] = kwargs.pop("max_position_embeddings")
         # Ours go in as keyword overrides, so mbridge's set_extra_args (applied last) still wins.
         return super()._build_base_config(text_config_key, **{**kwargs, **self._harness_config_args})
 
@@ -191,6 +278,10 @@ class HarnessBridgeMixin:
         if match:
             layer, norm = match.groups()
             return [f"model.layers.{layer}.{_LOCAL_NORM_TO_HF[norm]}.weight"]
+        match = _LOCAL_MLA_NORM.fullmatch(mcore_weights_name) if self.hf_config.model_type == "deepseek_v3" else None
+        if match:  # MLA's (Qwen3's q/k_layernorm are its QK-norm, which mbridge maps itself)
+            layer, norm = match.groups()
+            return [f"model.layers.{layer}.self_attn.{_LOCAL_MLA_NORM_TO_HF[norm]}.weight"]
         return super()._weight_name_mapping_mcore_to_hf(mcore_weights_name)
 
     def _weight_name_mapping_mcore_local_to_global(self, model, consider_ep: bool = True) -> dict[str, str]:
@@ -254,8 +345,15 @@ class HarnessBridgeMixin:
         )
         if rope.llama3:
             args.update(rope_scaling=True, rope_scaling_factor=float(rope.llama3["factor"]))
-        if rope.rotary_percent != 1.0:  # override 16: GLM-4.5-MoE's partial RoPE
+        if rope.rotary_percent != 1.0:  # override 14: GLM-4.5-MoE's partial RoPE
             args.update(rotary_percent=rope.rotary_percent)
+        if self.hf_config.model_type == "deepseek_v3":  # override 15: LLMBridge's padding, which its provider drops
+            self.vocab_size = args["vocab_size"]
+            self.padded_vocab_size = self.vocab_size
+            if self.make_vocab_size_divisible_by is not None:
+                self.padded_vocab_size = int(math.ceil(self.vocab_size / self.make_vocab_size_divisible_by)
+                                             * self.make_vocab_size_divisible_by)
+            args["vocab_size"] = self.padded_vocab_size
         return args
 
     def _model_provider(self, post_model_creation_callbacks, *args: Any, **kwargs: Any):
@@ -272,6 +370,10 @@ class HarnessBridgeMixin:
 
         mark_expert_parameters(model, self.config)
         mark_split_expert_weights(model, self.config)  # override 11
+        if getattr(self.config, "multi_latent_attention", False):  # override 17: MLA's rope key gradient under TP
+            from harness.compat.megatron_core import sum_mla_rope_key_grad
+
+            sum_mla_rope_key_grad(model, self.config)
 
     def _harness_set_rope_frequencies(self, model: torch.nn.Module, **unused: Any) -> None:
         rope = rope_settings(self.hf_config)
@@ -286,7 +388,12 @@ class HarnessBridgeMixin:
         # mbridge's model provider reads has_vp_stage after calling this method.
         self.has_vp_stage = "vp_stage" in inspect.signature(get_gpt_decoder_block_spec).parameters
         # Override 6: LocalRMSNorm in every norm slot.
-        return local_block_spec(self.config, vp_stage=vp_stage, norm_precision=self.harness_norm_precision)
+        spec = local_block_spec(self.config, vp_stage=vp_stage, norm_precision=self.harness_norm_precision)
+        if getattr(self.config, "multi_latent_attention", False):  # override 17
+            from harness.compat.megatron_core import use_mla_local_core_attention
+
+            spec = use_mla_local_core_attention(spec)
+        return spec
 
 
 def llama3_inv_freq(rotary: torch.nn.Module, rope: RopeSettings,

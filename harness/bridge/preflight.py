@@ -28,6 +28,10 @@ What is refused, and why each would otherwise go wrong without an error:
   dense. MTP layers (`num_nextn_predict_layers`) are ignored explicitly, as HF's causal LM ignores them:
   neither side computes them, and their checkpoint tensors (`model.layers.<num_hidden_layers + i>.*`) are
   not loaded (`glm4_moe_mtp_layers`);
+- DeepSeek-V3 (mbridge only): a router megatron-core cannot reproduce (norm_topk_prob=False, a group
+  score other than HF's top 2, n_group not dividing the experts), no shared experts, no low-rank query,
+  plain-halves RoPE, MTP layers, an FP8-quantised checkpoint, a YaRN without every value megatron-core
+  takes (`_yarn_values`); MLA's TP splits are layout checks (`harness.parallel.layout`);
 - hidden_act other than silu (mbridge always builds SwiGLU);
 - sliding-window attention (Megatron's local spec attends to the full causal context), but Gemma 3's;
 - Gemma 3 text (`gemma3_text`, built by the harness's own pieces on mbridge, harness.bridge.gemma3):
@@ -59,15 +63,17 @@ from typing import Any, Mapping
 
 from transformers import AutoConfig, PretrainedConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "gemma3_text", "glm4_moe")
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "gemma3_text", "glm4_moe", "deepseek_v3")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3")
 # What each bridge converts: Megatron-Bridge 0.6.2 has no Mixtral bridge ("Model architecture
 # 'MixtralForCausalLM' is not yet supported") and no Qwen2-MoE one (nothing in megatron.bridge.models
 # registers Qwen2MoeForCausalLM; its qwen package has Qwen2, Qwen3, Qwen3-MoE, Qwen3-Next, Qwen3.5).
-# GLM-4.5-MoE (issue 37): mbridge's GLM4MoEBridge (override 16) and Megatron-Bridge's GLM45Bridge (its routed
+# GLM-4.5-MoE (issue 37): mbridge's GLM4MoEBridge (override 14) and Megatron-Bridge's GLM45Bridge (its routed
 # experts' SequentialMLP names added: harness.compat.megatron_bridge.GLM45_LOCAL_EXPERTS).
 BRIDGE_MODEL_TYPES = {"mbridge": SUPPORTED_MODEL_TYPES,
                       "megatron-bridge": ("llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe")}
+# DeepSeek-V3 (issue 37) is converted and tested on mbridge only: on Megatron-Bridge it is refused by name
+# (untested there, not claimed).
 # Why a bridge refuses a family it has a bridge class for (appended to the refusal).
 BRIDGE_REFUSAL_REASONS = {
     ("megatron-bridge", "gemma3_text"): "Megatron-Bridge 0.6.2's Gemma3ModelBridge builds Transformer Engine "
@@ -112,6 +118,15 @@ class RopeSettings:
 PARTIAL_ROTARY_MODEL_TYPES = ("glm4_moe",)
 
 
+# YaRN (DeepSeek-V3 only: megatron-core's MLA builds YarnRotaryEmbedding; its dense attention has none).
+# megatron-core needs every value (mbridge fills a missing one with its own default, where HF's default
+# differs: without mscale_all_dim HF applies no softmax mscale and scales cos/sin by 0.1 ln(factor) + 1,
+# megatron-core multiplies the softmax scale by mscale(factor, 1)^2 and leaves cos/sin as they are).
+YARN_ROPE_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                  "mscale_all_dim")
+YARN_MODEL_TYPES = ("deepseek_v3",)
+
+
 def rope_parameters(hf_config: PretrainedConfig) -> dict[str, Any]:
     # transformers 5: rope_parameters (rope_scaling is an alias of it); 4: rope_scaling or None.
     return dict(getattr(hf_config, "rope_parameters", None)
@@ -128,6 +143,14 @@ def rope_settings(hf_config: PretrainedConfig) -> RopeSettings:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "yarn" and hf_config.model_type == "gpt_oss":
         return _gpt_oss_yarn(hf_config, params)
+    if rope_type == "yarn" and hf_config.model_type in YARN_MODEL_TYPES:
+        theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
+        if theta is None:
+            raise UnsupportedModelError("the HF config has no rope_theta (in rope_parameters or top level)")
+        return RopeSettings(float(theta), yarn=_yarn_values(params))
+    if hf_config.model_type in YARN_MODEL_TYPES and rope_type != "default":
+        raise UnsupportedModelError(f"{hf_config.model_type}: rope type {rope_type!r} is not supported (supported: "
+                                    "default, yarn): megatron-core's MLA builds only those")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
             f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)}): "
@@ -227,6 +250,54 @@ def _gpt_oss_unsupported(hf_config: PretrainedConfig) -> list[str]:
     return found
 
 
+def _yarn_values(params: Mapping[str, Any]) -> dict[str, float]:
+    missing = [key for key in YARN_ROPE_KEYS if params.get(key) is None]
+    if missing:
+        raise UnsupportedModelError(
+            f"rope type 'yarn' needs {', '.join(missing)} in rope_parameters (megatron-core's YaRN takes each; "
+            "mbridge would fill in its own default, where HF's differs)")
+    if params.get("attention_factor") is not None:
+        raise UnsupportedModelError("rope type 'yarn': an explicit attention_factor (megatron-core derives it "
+                                    "from mscale and mscale_all_dim)")
+    if params.get("truncate", True) is not True:
+        raise UnsupportedModelError("rope type 'yarn' with truncate=False (megatron-core rounds the correction "
+                                    "range out to whole dimensions)")
+    values = {key: params[key] for key in YARN_ROPE_KEYS}
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values.values()):
+        raise UnsupportedModelError(f"rope type 'yarn': every parameter must be a positive number, got {values}")
+    return values
+
+
+def _unsupported_deepseek_v3(hf_config: PretrainedConfig) -> list[str]:
+    """What mbridge 0.15.1's DeepseekV3Bridge with megatron-core 0.16.1 would build otherwise than HF's
+    DeepseekV3ForCausalLM (the harness's overrides 15 and 16 included)."""
+    found = []
+    experts, top_k = hf_config.n_routed_experts, hf_config.num_experts_per_tok
+    groups, group_top_k = getattr(hf_config, "n_group", None) or 1, getattr(hf_config, "topk_group", None) or 1
+    if not getattr(hf_config, "norm_topk_prob", True):
+        found.append("norm_topk_prob=False: megatron-core's sigmoid router renormalises the top-k scores")
+    if experts % groups:
+        found.append(f"n_group={groups} does not divide n_routed_experts={experts}")
+    elif groups > 1 and group_top_k < groups and top_k != 2 * group_top_k:
+        found.append(f"num_experts_per_tok={top_k} with topk_group={group_top_k}: megatron-core scores a group by "
+                     f"its top num_experts_per_tok // topk_group experts, HF by its top 2 (they agree only where "
+                     "num_experts_per_tok = 2 x topk_group)")
+    if not getattr(hf_config, "n_shared_experts", None):
+        found.append(f"n_shared_experts={getattr(hf_config, 'n_shared_experts', None)}: the harness's DeepSeek-V3 "
+                     "has shared experts (mbridge sizes them moe_intermediate_size x n_shared_experts)")
+    if getattr(hf_config, "q_lora_rank", None) is None:
+        found.append("q_lora_rank=None (a plain q_proj): the harness maps and checks only DeepSeek-V3's "
+                     "low-rank query (q_a_proj, q_a_layernorm, q_b_proj)")
+    if not getattr(hf_config, "rope_interleave", True):
+        found.append("rope_interleave=False: megatron-core's MLA always rotates DeepSeek's interleaved pairs")
+    if getattr(hf_config, "quantization_config", None):
+        found.append("an FP8-quantised checkpoint (quantization_config): the harness reads unquantised weights")
+    if getattr(hf_config, "num_nextn_predict_layers", None):
+        found.append(f"num_nextn_predict_layers={hf_config.num_nextn_predict_layers} (MTP): HF computes no MTP "
+                     "layer, and mbridge maps one only for the 61-layer checkpoint")
+    return found
+
+
 def _unsupported_biases(hf_config: PretrainedConfig) -> list[str]:
     model_type = hf_config.model_type
     if model_type == "gpt_oss":  # q/k/v/o and expert biases: the bridge builds them (_gpt_oss_unsupported)
@@ -290,6 +361,8 @@ def _unsupported_moe(hf_config: PretrainedConfig) -> list[str]:
             found.append("qkv_bias=False: mbridge's Qwen2MoEBridge always builds q/k/v biases")
     if hf_config.model_type == "glm4_moe":
         found += _unsupported_glm4_moe(hf_config)
+    if hf_config.model_type == "deepseek_v3":
+        found += _unsupported_deepseek_v3(hf_config)
     if getattr(hf_config, "output_router_logits", False):
         found.append("output_router_logits=True (HF trains with its load-balancing loss over every layer at "
                      "once; megatron-core's aux loss is per layer, another loss: the harness trains MoE models "
@@ -302,7 +375,7 @@ def _unsupported_moe(hf_config: PretrainedConfig) -> list[str]:
 
 
 def _unsupported_glm4_moe(hf_config: PretrainedConfig) -> list[str]:
-    """What mbridge 0.15.1's GLM4MoEBridge (with the harness's override 16) and Megatron-Bridge 0.6.2's
+    """What mbridge 0.15.1's GLM4MoEBridge (with the harness's override 14) and Megatron-Bridge 0.6.2's
     GLM45Bridge would build otherwise than HF's Glm4MoeForCausalLM."""
     found = []
     groups, group_top_k = getattr(hf_config, "n_group", 1), getattr(hf_config, "topk_group", 1)
@@ -343,7 +416,8 @@ MOE_TRAINING_SETTINGS = {"moe_router_load_balancing_type": "none", "moe_aux_loss
 
 def num_experts(hf_config: PretrainedConfig) -> int:
     """The routed experts of a MoE config (0 for a dense one)."""
-    return int(getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None) or 0) \
+    return int(getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+               or getattr(hf_config, "n_routed_experts", None) or 0) \
         if hf_config.model_type in MOE_MODEL_TYPES else 0
 
 
@@ -411,6 +485,8 @@ def expected_tensor_names(hf_config: PretrainedConfig) -> set[str]:
         names.add("lm_head.weight")
     if hf_config.model_type == "glm4_moe":
         return _glm4_moe_tensor_names(hf_config, names)
+    if hf_config.model_type == "deepseek_v3":
+        return _deepseek_v3_tensor_names(hf_config, names)
     per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight",
                  *(f"self_attn.{p}_proj.weight" for p in "qkvo")]
     if hf_config.model_type == GEMMA3:  # the norms before and after the MLP, QK-norm
@@ -449,6 +525,23 @@ def _glm4_moe_tensor_names(hf_config: PretrainedConfig, names: set[str]) -> set[
                  *(f"self_attn.{p}_proj.weight" for p in "qkvo"), *(f"self_attn.{p}_proj.bias" for p in "qkv")]
     if getattr(hf_config, "use_qk_norm", False):
         attention += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    dense = [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+    sparse = ["mlp.gate.weight", "mlp.gate.e_score_correction_bias",
+              *(f"mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")),
+              *(f"mlp.experts.{e}.{p}_proj.weight" for e in range(num_experts(hf_config))
+                for p in ("gate", "up", "down"))]
+    for layer in range(hf_config.num_hidden_layers):
+        mlp = dense if layer < hf_config.first_k_dense_replace else sparse
+        names.update(f"model.layers.{layer}.{name}" for name in attention + mlp)
+    return names
+
+
+def _deepseek_v3_tensor_names(hf_config: PretrainedConfig, names: set[str]) -> set[str]:
+    """DeepSeek-V3's: MLA (the low-rank query), the first first_k_dense_replace layers dense, the rest
+    sparse with the router's e_score_correction_bias and the shared experts."""
+    attention = ["input_layernorm.weight", "post_attention_layernorm.weight",
+                 *(f"self_attn.{p}.weight" for p in ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa",
+                                                     "kv_a_layernorm", "kv_b_proj", "o_proj"))]
     dense = [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
     sparse = ["mlp.gate.weight", "mlp.gate.e_score_correction_bias",
               *(f"mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")),

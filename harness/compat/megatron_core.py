@@ -545,3 +545,136 @@ def _copying_output(forward):
 
     copied.harness_workaround = EXPERT_BIAS_INPLACE_ON_VIEW.name
     return copied
+# megatron-core 0.16.1's local spec lists MLA (get_gpt_layer_local_spec(multi_latent_attention=True)) but
+# its core attention cannot be built there: MLASelfAttention passes `k_channels`/`v_channels` (the
+# q/k head of nope + rope and the v head) to its core attention, which TE's DotProductAttention takes and
+# the local DotProductAttention does not (TypeError: unexpected keyword argument 'k_channels'); and the
+# local one sizes its output `kv_channels x heads` whatever the value head is. Found here building
+# DeepSeek-V3 (issue 37) on the CPU tier. Its forward needs nothing else: the scores' GEMM takes the
+# q/k head as it comes, the softmax scale is MLA's own (mscale included), the context keeps v's width. We
+# build `MLADotProductAttention`: the same module, taking both and sizing its output by v's head.
+# Without Transformer Engine, MLASelfAttention.__init__ also tests `isinstance(self.linear_proj, TELinear)`
+# behind `HAVE_TE`, which is True whenever megatron.core.extensions.transformer_engine imports (it does
+# without TE, its TELinear then a MagicMock placeholder, not a class): TypeError. We give the module a
+# class nothing is an instance of.
+MLA_LOCAL_CORE_ATTENTION = Workaround(
+    "mla-local-core-attention", "MLA cannot be built without Transformer Engine: the local spec's "
+    "DotProductAttention takes no k_channels/v_channels and sizes its output kv_channels x heads, and "
+    "MLASelfAttention tests isinstance(linear_proj, TELinear) with TELinear a placeholder (TypeError)", ("0.16.1",))
+# Not in WORKAROUNDS (as MOE_TE_GEMM_UNDEFINED): DeepSeek-V3 runs on stack A only (refused by name on stack
+# B, megatron-core 0.19.2, whose source has the same code, read but not run); `require` still gates each use.
+
+
+@functools.cache
+def mla_dot_product_attention() -> type:
+    """`MLA_LOCAL_CORE_ATTENTION`: the local DotProductAttention, taking MLA's k/v head widths."""
+    require(MLA_LOCAL_CORE_ATTENTION)
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.utils import divide
+
+    class MLADotProductAttention(DotProductAttention):
+        def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None,
+                     **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            if v_channels is not None:  # the context [sq, b, heads/tp x v head]
+                self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
+            if k_channels is not None:
+                self.hidden_size_per_attention_head = k_channels
+                if kwargs.get("softmax_scale") is None:
+                    self.softmax_scale = 1.0 / divide(k_channels, 1) ** 0.5
+
+    return MLADotProductAttention
+
+
+def use_mla_local_core_attention(block_spec: Any) -> Any:
+    """Every MLASelfAttention of a local-spec block gets `mla_dot_product_attention()` as its core
+    attention (`MLA_LOCAL_CORE_ATTENTION`); other layers are left as they are. Returns the spec."""
+    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    if not isinstance(multi_latent_attention.TELinear, type):  # no TE: a placeholder; nothing is a _NoTELinear
+        require(MLA_LOCAL_CORE_ATTENTION)
+        multi_latent_attention.TELinear = type("_NoTELinear", (), {})
+    for layer in getattr(block_spec, "layer_specs", None) or [block_spec]:
+        attention = getattr(layer.submodules, "self_attention", None)
+        if attention is not None and attention.module is MLASelfAttention \
+                and attention.submodules.core_attention is DotProductAttention:
+            attention.submodules.core_attention = mla_dot_product_attention()
+    return block_spec
+
+
+# megatron-core 0.16.1's MLA on the local spec under tensor parallelism (found here, issue 37): the local
+# spec's `linear_kv_down_proj` is column-parallel; MLASelfAttention gathers its output over TP
+# (`gather_from_tensor_model_parallel_region`) and splits it into the compressed kv and the rope key
+# `k_pos_emb`, which every TP rank then uses for its own heads only. The gather's backward splits the
+# gradient along the last dim without summing the ranks' partial `k_pos_emb` gradients (the compressed
+# kv's are summed by linear_kv_up_proj's backward): at tp2-sp the step-0 grad norm was 3.4% off the
+# single-process ground truth (tiny-deepseek-v3, fp32, CPU), the loss equal. We gather that output
+# with a backward that sums the rope columns' gradient over TP before splitting.
+MLA_ROPE_KEY_GRAD = Workaround(
+    "mla-rope-key-grad", "local-spec MLA under TP: the shared rope key's gradient is not summed over the TP "
+    "ranks (the column-parallel kv down projection's gather splits it without reducing)", ("0.16.1",))
+# Not in WORKAROUNDS either: stack A only (as MLA_LOCAL_CORE_ATTENTION).
+
+
+def _mla_gather_class() -> type:
+    from megatron.core.tensor_parallel.mappings import _gather_along_last_dim, _split_along_last_dim
+
+    class GatherKvSummingRopeGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, input_, group, rope):
+            ctx.group, ctx.rope = group, rope
+            return _gather_along_last_dim(input_, group)
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad = grad.contiguous().clone()
+            rope = grad[..., -ctx.rope:].contiguous()
+            torch.distributed.all_reduce(rope, group=ctx.group)
+            grad[..., -ctx.rope:] = rope
+            return _split_along_last_dim(grad, ctx.group), None, None
+
+    return GatherKvSummingRopeGrad
+
+
+_MLA_ROPE_TAG = "_harness_mla_rope_width"
+
+
+def sum_mla_rope_key_grad(model: torch.nn.Module, config) -> int:
+    """`MLA_ROPE_KEY_GRAD`: every local-spec MLA layer's kv down projection output gathered with the rope
+    columns' gradient summed over TP (tp > 1). Returns the number of layers handled."""
+    if not getattr(config, "multi_latent_attention", False) or config.tensor_model_parallel_size == 1:
+        return 0
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.tensor_parallel.mappings import get_tensor_model_parallel_group_if_none
+    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    layers = [m for m in model.modules() if isinstance(m, MLASelfAttention)
+              and isinstance(m.linear_kv_down_proj, ColumnParallelLinear)]
+    if not layers:
+        return 0
+    require(MLA_ROPE_KEY_GRAD)
+    if not applies(MLA_ROPE_KEY_GRAD):
+        return 0
+    stock = multi_latent_attention.gather_from_tensor_model_parallel_region
+    if not getattr(stock, "_harness_mla", False):
+        gather_class = _mla_gather_class()
+
+        def gather(input_, group=None):
+            rope = getattr(input_, _MLA_ROPE_TAG, None)
+            if rope is None:
+                return stock(input_, group)
+            return gather_class.apply(input_, get_tensor_model_parallel_group_if_none(group), rope)
+
+        gather._harness_mla = True
+        multi_latent_attention.gather_from_tensor_model_parallel_region = gather
+
+    def tag(module, args, output, rope=config.qk_pos_emb_head_dim):
+        setattr(output[0], _MLA_ROPE_TAG, rope)  # read by the gather above, the next call on this tensor
+        return output
+
+    for layer in layers:
+        layer.linear_kv_down_proj.register_forward_hook(tag)
+    return len(layers)

@@ -59,6 +59,19 @@ models and the Qwen3-0.6B shape, CPU and H100):
      quick_gelu is a `jit_fuser` (torch.compile) function: computed in float32, rounded once;
      linear_fc2's rounded partial sums over etp, then its bias times the routing weight added
      (MLP.forward with a per-token scale); HF scales (down + bias) after the GEMM.
+   - DeepSeek-V3's router (megatron-core's sigmoid router with `moe_router_dtype` fp32, which mbridge
+     sets, as HF's router computes): logits in float32, the sigmoid plus `e_score_correction_bias` to
+     choose, the best `topk_group` groups by the sum of their top 2 (megatron-core: top topk // group_topk,
+     the same where preflight lets a model through), the top k in them, the chosen sigmoid scores
+     renormalised and times `routed_scaling_factor`, all in float32; each expert's routing weight
+     applied in float32 to the rounded activation, rounded after (MLP's per_token_scale); an expert's
+     linear_fc2 partials over the expert-TP ranks summed in float32 (the reduce-scatter runs in the
+     routing weights' dtype), rounded; a token's experts' outputs summed in float32 (unpermute's
+     scatter_add_ of bf16 on CPU accumulates in float32: invisible with top-2, where 0 + a + b rounds
+     once either way, seen with top-4), rounded; the shared experts (`shared_experts`, no gate) the
+     dense MLP under `tp`, added after the routed sum.
+6. Multi-head latent attention (DeepSeek-V3): the down and up projections are column-parallel (no
+   partial sums); o_proj is row-parallel (3.).
 
 The norms are matched the other way round: the harness's own local-spec RMSNorm rounds as HF does
 (harness.bridge.norms). In float32 the arrangements change nothing measurable (~1e-7).
@@ -313,6 +326,79 @@ def _is_gpt_oss_block(mlp: nn.Module) -> bool:
     return hasattr(getattr(mlp, "router", None), "top_k") and hasattr(experts, "gate_up_proj_bias")
 
 
+class MegatronRoundedDeepseekMoE(MegatronRoundedMoE):
+    """HF's DeepseekV3MoE (a sigmoid router with `e_score_correction_bias`, group-limited top-k,
+    renormalised and scaled; `shared_experts` without a gate) as megatron-core computes it (module
+    docstring, 4)."""
+
+    def __init__(self, block: nn.Module, partitions: int = 1, tp: int = 1) -> None:
+        nn.Module.__init__(self)
+        experts = block.experts
+        width = experts.down_proj.shape[-1]
+        if width % partitions:
+            raise ValueError(f"expert width {width} does not split into {partitions} shards")
+        self.gate, self.experts, self.top_k, self.partitions = block.gate, experts, block.gate.top_k, partitions
+        self.shared_experts = block.shared_experts
+        for name, partitions_ in (("gate_proj", 1), ("up_proj", 1), ("down_proj", tp)):
+            setattr(self.shared_experts, name, MegatronRoundedLinear(getattr(self.shared_experts, name), partitions_))
+
+    def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """megatron-core's topk_routing_with_score_function (sigmoid, expert bias, group_limited_topk) in
+        float32: the routing weights [tokens, k] (float32) and the chosen experts."""
+        gate = self.gate
+        logits = F.linear(tokens.float(), gate.weight.float())
+        scores = torch.sigmoid(logits)
+        choice = scores + gate.e_score_correction_bias
+        experts, groups = choice.shape[-1], gate.num_group
+        if gate.topk_group and groups > 1:
+            group_scores = choice.view(-1, groups, experts // groups).topk(self.top_k // gate.topk_group, dim=-1)[0].sum(-1)
+            chosen_groups = torch.topk(group_scores, k=gate.topk_group, dim=-1, sorted=False)[1]
+            mask = torch.zeros_like(group_scores).scatter_(1, chosen_groups, 1)
+            mask = mask.unsqueeze(-1).expand(-1, groups, experts // groups).reshape(-1, experts)
+            choice = choice.masked_fill(~mask.bool(), float("-inf"))
+        chosen = torch.topk(choice, k=self.top_k, dim=-1)[1]
+        weights = torch.gather(scores, 1, chosen)
+        if self.top_k > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * gate.routed_scaling_factor, chosen
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        tokens = hidden_states.reshape(-1, shape[-1])
+        mlp = self.shared_experts  # SharedExpertMLP, computed before the router (no stream overlap)
+        shared = mlp.down_proj(mlp.act_fn(mlp.gate_proj(tokens)) * mlp.up_proj(tokens))
+        weights, chosen = self.route(tokens)
+        # A token's experts' outputs scattered into its row in expert order (unpermute's scatter_add_:
+        # on CPU it accumulates bf16 in float32, which top-4 shows and top-2 cannot), rounded.
+        out = torch.zeros_like(tokens, dtype=torch.float32)
+        for e in range(self.experts.gate_up_proj.shape[0]):
+            rows, slot = torch.where(chosen == e)
+            if rows.numel():
+                out.index_add_(0, rows, self._expert(e, tokens[rows], weights[rows, slot]).float())
+        return (out.to(tokens.dtype) + shared).reshape(shape)
+
+    def _expert(self, e: int, tokens: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Expert `e`'s output: its linear_fc2 partials over the expert-TP ranks, each rounded, summed in
+        float32, the routing weights' dtype (the alltoall dispatcher's reduce-scatter, before unpermute),
+        rounded."""
+        gate, up = F.linear(tokens, self.experts.gate_up_proj[e]).chunk(2, dim=-1)
+        hidden = (self.experts.act_fn(gate) * up * weights.unsqueeze(-1)).to(tokens.dtype)
+        down, width = self.experts.down_proj[e], hidden.shape[-1] // self.partitions
+        if self.partitions == 1:
+            return F.linear(hidden, down)
+        out = None
+        for r in range(self.partitions):
+            part = F.linear(hidden[:, r * width:(r + 1) * width].contiguous(),
+                            down[:, r * width:(r + 1) * width].contiguous()).float()
+            out = part if out is None else out + part
+        return out.to(tokens.dtype)
+
+
+# Multi-head latent attention's projections (DeepSeek-V3), by how Megatron partitions them.
+_MLA_COLUMN_PARALLEL = ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa",
+                        "self_attn.kv_b_proj")
+
+
 def _is_sparse_block(mlp: nn.Module) -> bool:
     experts = getattr(mlp, "experts", None)
     return (hasattr(getattr(mlp, "gate", None), "top_k") and hasattr(experts, "gate_up_proj")) or _is_gpt_oss_block(mlp)
@@ -337,9 +423,13 @@ def arrange_like_megatron(model: nn.Module, *, tp: int = 1, expert_tp: int | Non
         sparse = getattr(layer, "mlp", None)
         sparse = sparse if sparse is not None and _is_sparse_block(sparse) else None
         if sparse is not None:
+            deepseek = hasattr(sparse.gate, "e_score_correction_bias")
             layer.mlp = (MegatronRoundedGptOssMoE(sparse, expert_tp) if _is_gpt_oss_block(sparse)
+                         else MegatronRoundedDeepseekMoE(sparse, expert_tp, tp) if deepseek
                          else MegatronRoundedMoE(sparse, expert_tp, tp))
-        for path, partitions in [(p, 1) for p in _COLUMN_PARALLEL] + [(p, tp) for p in _ROW_PARALLEL]:
+        mla = hasattr(layer.self_attn, "kv_a_proj_with_mqa")
+        column = (_MLA_COLUMN_PARALLEL + _COLUMN_PARALLEL[3:]) if mla else _COLUMN_PARALLEL
+        for path, partitions in [(p, 1) for p in column] + [(p, tp) for p in _ROW_PARALLEL]:
             if sparse is not None and path.startswith("mlp."):
                 continue
             parent_name, name = path.split(".")

@@ -36,6 +36,11 @@ q/k/v/o biases, 4 square experts (width = hidden, as gpt-oss-20b's 2880) with bi
 SwiGLU, top-2, a router with a bias): stack B only (mbridge 0.15.1 has no gpt-oss bridge); its expert
 weights are scaled after the draw so that the clamp at 7 bites (`_gpt_oss_weights`).
 `gpt-oss-shape` is gpt-oss-20b's architecture cut to 4 layers: config checks only, never built in CI.
+`tiny-deepseek-v3` (DeepSeek-V3: multi-head latent attention with q and kv LoRA ranks, YaRN RoPE with
+mscale, a dense first layer, then 16 routed experts in 4 groups scored by a sigmoid plus a random
+`e_score_correction_bias`, top-4 from the best 2 groups, renormalised and scaled by 2.5, and a shared
+expert): stack A only (issue 37). `deepseek-v3-shape` is the published DeepSeek-V3 architecture cut to
+4 layers, random weights: defined for GPU runs, never built in CI (its config is checked).
 """
 from __future__ import annotations
 
@@ -55,6 +60,7 @@ from transformers import (
     PretrainedConfig,
     PreTrainedModel,
     GptOssConfig,
+    DeepseekV3Config,
     Qwen2Config,
     Qwen2MoeConfig,
     Qwen3Config,
@@ -116,6 +122,43 @@ _TINY_GLM4_MOE: dict[str, Any] = dict(
     n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
     routed_scaling_factor=2.5, n_group=1, topk_group=1, norm_topk_prob=True, output_router_logits=False,
     num_nextn_predict_layers=0,
+)
+# DeepSeek-V3 on the tiny scale (issue 37), every feature on: MLA with q_lora_rank 32 and kv_lora_rank 32
+# (kv_a_proj_with_mqa's 32 + 8 rows split over tp 1/2/4), per-head nope 16 + rope 8 for q/k and v 16;
+# YaRN with DeepSeek-V3's beta_fast/slow and mscale/mscale_all_dim (1.0, 1.0: the softmax scale
+# times mscale^2 = 1.30 at factor 4), an original window of 32 of the 128 positions; first_k_dense_replace 1
+# (layer 0 a dense MLP of width 128); then 16 routed experts of width 16 (ep 1/2/4/8, etp 1/2) in 4 groups,
+# scored by a sigmoid plus the per-expert `e_score_correction_bias` (random, see harness.models.randomize),
+# the best 2 groups by the sum of their top 2 scores, the top 4 experts in them (4 / 2 = 2 per group: the
+# top-2 group score megatron-core computes as topk // group_topk, HF always as 2), renormalised and scaled
+# by routed_scaling_factor 2.5; 2 shared experts (width 32). That the groups, the bias and the scale each
+# change the output is measured by the catalog's DeepSeek-V3 variants (docs/moe.md).
+_TINY_DEEPSEEK_V3: dict[str, Any] = dict(
+    hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+    q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+    intermediate_size=128, moe_intermediate_size=16, n_routed_experts=16, num_experts_per_tok=4,
+    n_group=4, topk_group=2, n_shared_experts=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+    first_k_dense_replace=1, vocab_size=TINY_VOCAB_SIZE, max_position_embeddings=128, rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                     "original_max_position_embeddings": 32, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "mscale": 1.0, "mscale_all_dim": 1.0},
+    rope_interleave=True, hidden_act="silu", attention_bias=False, attention_dropout=0.0,
+    output_router_logits=False, num_nextn_predict_layers=0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)
+# The published deepseek-ai/DeepSeek-V3 config.json (architecture only), cut to 4 layers (3 dense, as the
+# checkpoint's first_k_dense_replace, then 1 sparse); no MTP layer (the checkpoint's one: HF computes none).
+_DEEPSEEK_V3_SHAPE: dict[str, Any] = dict(
+    hidden_size=7168, num_hidden_layers=4, num_attention_heads=128, num_key_value_heads=128,
+    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256, num_experts_per_tok=8,
+    n_group=8, topk_group=4, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+    first_k_dense_replace=3, vocab_size=129280, max_position_embeddings=163840, rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                     "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "mscale": 1.0, "mscale_all_dim": 1.0},
+    rope_interleave=True, hidden_act="silu", attention_bias=False, attention_dropout=0.0,
+    output_router_logits=False, num_nextn_predict_layers=0, tie_word_embeddings=False, bos_token_id=0,
+    eos_token_id=1,
 )
 _TINY_MIXTRAL: dict[str, Any] = dict(
     num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0, sliding_window=None,
@@ -403,6 +446,21 @@ def _build_zoo() -> dict[str, ZooModel]:
         config_kwargs=_GLM45_AIR_SHAPE,
         description=f"GLM-4.5-Air (106B-A12B) architecture at {SHAPE_LAYERS} layers (1 dense, 3 with 128 experts, "
                     "top-8), random weights; for GPU runs, never built in CI",
+    ))
+    entries.append(ZooModel(
+        name="tiny-deepseek-v3",
+        config_class=DeepseekV3Config,
+        config_kwargs={**_TINY_DEEPSEEK_V3, "tie_word_embeddings": False},
+        description="tiny DeepSeek-V3 (MLA with q/kv LoRA, YaRN with mscale; a dense first layer, then 16 experts "
+                    "of width 16 in 4 groups, sigmoid + expert bias, top-4 of the best 2 groups, scaled by 2.5, "
+                    f"2 shared experts), untied lm_head, vocab {TINY_VOCAB_SIZE}",
+    ))
+    entries.append(ZooModel(
+        name="deepseek-v3-shape",
+        config_class=DeepseekV3Config,
+        config_kwargs=_DEEPSEEK_V3_SHAPE,
+        description="DeepSeek-V3 architecture cut to 4 layers (3 dense, 1 with 256 experts), random weights; "
+                    "for GPU runs, never built in CI",
     ))
     entries.append(ZooModel(
         name="tiny-mixtral",

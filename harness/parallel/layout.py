@@ -393,7 +393,15 @@ def _model_problems(layout: Layout, model: Any) -> list[str]:
     # ColumnParallelLinear asserts the MLP width splits evenly over tp.
     if ffn is not None and ffn % layout.tp:
         problems.append(f"tp={layout.tp} does not divide ffn_hidden_size={ffn}")
-    # Shared experts (GLM-4.5-MoE, DeepSeek-V3: n_shared_experts x the expert width) split over tp as the dense MLP.
+    # Multi-head latent attention (DeepSeek-V3): the local spec's down projections are column-parallel
+    # (their outputs split over tp, then gathered), the shared experts split over tp as the dense MLP.
+    for name in ("q_lora_rank", "kv_lora_rank"):
+        rank = _model_attr(model, name)
+        width = rank if name == "q_lora_rank" else (rank or 0) + (_model_attr(model, "qk_rope_head_dim",
+                                                                               "qk_pos_emb_head_dim") or 0)
+        if rank is not None and width % layout.tp:
+            what = "q_lora_rank" if name == "q_lora_rank" else "kv_lora_rank + qk_rope_head_dim"
+            problems.append(f"tp={layout.tp} does not divide {what}={width} (MLA's down projection)")
     shared = _model_attr(model, "n_shared_experts")
     if shared and expert_ffn is not None and (shared * expert_ffn) % layout.tp:
         problems.append(f"tp={layout.tp} does not divide the shared experts' width={shared * expert_ffn}")

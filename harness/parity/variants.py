@@ -325,11 +325,75 @@ def _transpose_down_proj(models) -> None:
         weight.copy_(weight.t().contiguous())
 
 
+# DeepSeek-V3 (issue 37): what a converter or a framework can leave out without an error.
+def _deepseek_moe_layers(models, what: str):
+    from harness.bridge import hf_config
+
+    if hf_config(models).model_type != "deepseek_v3":
+        raise VariantError(f"variant {what!r} needs a DeepSeek-V3 model")
+    return _moe_layers(models, what)
+
+
+@torch.no_grad()
+def _drop_expert_bias(models) -> None:
+    """e_score_correction_bias never loaded: megatron-core's expert_bias left at its zeros (state)."""
+    for moe in _deepseek_moe_layers(models, "expert-bias-dropped"):
+        moe.router.expert_bias.zero_()
+
+
+def _drop_routed_scaling(models) -> None:
+    """routed_scaling_factor not passed: the routing weights renormalised but not scaled (read at every forward)."""
+    for moe in _deepseek_moe_layers(models, "routed-scaling-dropped"):
+        moe.config.moe_router_topk_scaling_factor = None
+
+
+def _ignore_group_routing(models) -> None:
+    """n_group/topk_group not passed (stock mbridge 0.15.1, compat override 16): the top k of every expert."""
+    for moe in _deepseek_moe_layers(models, "group-limited-routing-ignored"):
+        moe.config.moe_router_num_groups = None
+        moe.config.moe_router_group_topk = None
+
+
+@torch.no_grad()
+def _swap_rope_nope(models) -> None:
+    """q_b_proj's per-head rows read as [rope, nope] instead of HF's [nope, rope] (state): each head's
+    query rotates what should pass and passes what should rotate. Each TP rank holds whole heads."""
+    from harness.bridge import hf_config, unwrap_model
+
+    config = hf_config(models)
+    if config.model_type != "deepseek_v3":
+        raise VariantError("variant 'mla-rope-nope-swapped' needs a DeepSeek-V3 model")
+    nope, rope = config.qk_nope_head_dim, config.qk_rope_head_dim
+    for chunk in unwrap_model(list(models)):
+        for layer in chunk.decoder.layers:
+            weight = layer.self_attention.linear_q_up_proj.weight
+            heads = weight.view(-1, nope + rope, weight.shape[-1])
+            heads.copy_(torch.cat([heads[:, nope:], heads[:, :nope]], dim=1))
+
+
+def _drop_yarn_mscale(models) -> None:
+    """The softmax scale without YaRN's mscale^2 (1/sqrt(q head), as a plain attention computes it)."""
+    from harness.bridge import hf_config, unwrap_model
+
+    if hf_config(models).model_type != "deepseek_v3":
+        raise VariantError("variant 'yarn-mscale-missing' needs a DeepSeek-V3 model")
+    for chunk in unwrap_model(list(models)):
+        for layer in chunk.decoder.layers:
+            attention = layer.self_attention
+            attention.core_attention.softmax_scale = attention.q_head_dim ** -0.5  # read at every forward
+
+
+DEEPSEEK_V3_VARIANTS = {"expert-bias-dropped": _drop_expert_bias, "routed-scaling-dropped": _drop_routed_scaling,
+                        "group-limited-routing-ignored": _ignore_group_routing,
+                        "mla-rope-nope-swapped": _swap_rope_nope, "yarn-mscale-missing": _drop_yarn_mscale}
+
+
 # Variants that change how the model computes (code and configuration, not the state copy_state
 # carries: how it routes, whether the shared expert is gated): harness.parity.runner applies them to
 # the fp32 evaluation's model too.
 ROUTING = frozenset({"router-in-bf16", "topk-off-by-one", "mixtral-pre-softmax", "shared-expert-gate-dropped",
-                     "gemma-norm-not-zero-centered", "gemma-embed-scale-dropped", "gemma-sliding-window-ignored"})
+                     "gemma-norm-not-zero-centered", "gemma-embed-scale-dropped", "gemma-sliding-window-ignored",
+                     "routed-scaling-dropped", "group-limited-routing-ignored", "yarn-mscale-missing"})
 ROUTING |= {"gpt-oss-sinks-dropped", "gpt-oss-window-ignored", "gpt-oss-clamp-missing"}  # gpt-oss: code, not state
 
 IMPLEMENTED: dict[str, Callable] = {
@@ -359,6 +423,7 @@ IMPLEMENTED: dict[str, Callable] = {
     # (harness.logprobs.context_parallel; `FEEDING`).
     "cp-labels-rolled-after-split": lambda models: None,
     "cp-chunks-contiguous": lambda models: None,
+    **DEEPSEEK_V3_VARIANTS,
 }
 # Variants in the logprob path itself (handed to harness.logprobs.megatron.megatron_logprobs).
 FEEDING = frozenset({"cp-labels-rolled-after-split", "cp-chunks-contiguous"})

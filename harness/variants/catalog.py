@@ -754,7 +754,7 @@ _GEMMA3 = (
 
 # GLM-4.5-MoE (issue 37): its partial RoPE and its router's expert bias and scaling, each of which a
 # converter can drop without an error (mbridge 0.15.1's GLM4MoEBridge maps all three; the harness's own
-# override 4 once dropped the RoPE's rotary_percent: override 16). Prefixed `glm-`: shown on glm4_moe.
+# override 4 once dropped the RoPE's rotary_percent: override 14). Prefixed `glm-`: shown on glm4_moe.
 def _needs_glm4_moe(layout, config) -> str | None:
     if config is not None and getattr(config, "model_type", None) != "glm4_moe":
         return "needs a GLM-4.5-MoE model (model_type glm4_moe)"
@@ -786,7 +786,7 @@ _GLM4_MOE = (
             upstream="InternLM/lmdeploy PR 3861 (partial_rotary_factor without rope_scaling missed: GLM-4.5-Air "
                      "RoPE computed on the whole head); the class: vllm-project/vllm PR 16912 and ml-explore/"
                      "mlx-lm PR 1698 (GLM's rotary dims); in Megatron converters none found (the harness's own "
-                     "override 4 dropped mbridge's rotary_percent: harness.bridge.mbridge_compat, override 16)",
+                     "override 4 dropped mbridge's rotary_percent: harness.bridge.mbridge_compat, override 14)",
             requires=_needs_glm4_moe_partial_rope, default_layout="dp2", model="tiny-glm4-moe", options=_MOE_PARITY),
     Variant("glm-expert-bias-not-loaded", "bridge", "upstream-bug",
             "GLM-4.5-MoE's router without its e_score_correction_bias (the expert bias left at megatron-core's "
@@ -875,6 +875,60 @@ _GPT_OSS = (
 
 _ENTRIES = _ENTRIES + _ROTATION + _OFFLOAD + _SYNC + _FP8 + _MOE + _CP_ENTRIES + _QWEN2_MOE + _GEMMA3 + _GLM4_MOE
 _ENTRIES = _ENTRIES + _GPT_OSS
+
+
+# DeepSeek-V3 (issue 37): MLA and its router, each a thing a converter or framework can drop silently.
+def _needs_deepseek_v3(layout, config) -> str | None:
+    if config is not None and config.model_type != "deepseek_v3":
+        return "needs a DeepSeek-V3 model (MLA, a sigmoid router with expert bias and groups)"
+    return _needs_experts(layout, config)
+
+
+_DSV3 = dict(requires=_needs_deepseek_v3, default_layout="dp2", model="tiny-deepseek-v3", options=_MOE_PARITY)
+_DEEPSEEK_V3 = (
+    Variant("expert-bias-dropped", "bridge", "upstream-bug",
+            "DeepSeek-V3's router bias `e_score_correction_bias` not loaded (megatron-core's expert_bias left at "
+            "zeros): experts chosen by the sigmoid scores alone, where HF adds the bias to choose",
+            "tokens routed to other experts wherever the bias reorders their top k; the model runs",
+            "logprob parity vs HF: every metric",
+            upstream="NVIDIA-NeMo/Megatron-Bridge #4199 (expert_bias missing from the DeepSeek HF<->Megatron "
+                     "mapping); PrimeIntellect-ai/prime-rl PR 2681 review (HF export writes the bias as zeros)",
+            **_DSV3),
+    Variant("routed-scaling-dropped", "bridge", "upstream-bug",
+            "DeepSeek-V3's routed_scaling_factor (2.5) not passed to the router "
+            "(moe_router_topk_scaling_factor None): the routed experts' weights sum to 1, not 2.5",
+            "every MoE layer's routed output 2.5x too small against the shared experts; the model runs",
+            "logprob parity vs HF: every metric",
+            upstream="vllm-project/vllm PR 23123 (grouped top-k passed routed_scaling_factor as 1.0); "
+                     "sgl-project/sglang-jax PR 1282 (the factor skipped when norm_topk_prob is off)",
+            **_DSV3),
+    Variant("group-limited-routing-ignored", "bridge", "upstream-bug",
+            "DeepSeek-V3's group-limited routing dropped (moe_router_num_groups/group_topk unset): the top k "
+            "of every expert, where HF picks the best topk_group of n_group groups first",
+            "tokens whose top k spans more than topk_group groups routed to other experts; the model runs",
+            "logprob parity vs HF: every metric",
+            upstream="mbridge 0.15.1 DeepseekV3Bridge never sets moe_router_num_groups/moe_router_group_topk "
+                     "(found by this harness; harness.bridge.mbridge_compat, override 16); the group score: "
+                     "NVIDIA/Megatron-LM #1441 (top-2 per group hard-coded)",
+            **_DSV3),
+    Variant("mla-rope-nope-swapped", "bridge", "negative-control",
+            "MLA's query heads split in the wrong order: q_b_proj's per-head rows read as [rope, nope] instead "
+            "of [nope, rope] (a converter's layout error)",
+            "each head rotates the features that should pass and passes those that should rotate; every "
+            "token's attention off; the model runs",
+            "logprob parity vs HF: every metric", upstream="none found", **_DSV3),
+    Variant("yarn-mscale-missing", "bridge", "upstream-bug",
+            "MLA's softmax scale without YaRN's mscale^2 (1/sqrt(q head dim) alone; 1.30x at the tiny model's "
+            "factor 4, 1.87x at DeepSeek-V3's 40)",
+            "attention logits too flat on every token past the first; the model runs",
+            "logprob parity vs HF: every metric",
+            upstream="onnxruntime/mobius PR 548 (the mscale^2 softmax correction missing from DeepSeek MLA); "
+                     "NVIDIA/Megatron-LM #1429 (computed from mscale instead of mscale_all_dim); stock mbridge "
+                     "0.15.1 builds no YaRN at all on transformers 5 (override 15)",
+            **_DSV3),
+)
+
+_ENTRIES = _ENTRIES + _DEEPSEEK_V3
 
 CATALOG: dict[str, Variant] = {v.id: v for v in _ENTRIES}
 

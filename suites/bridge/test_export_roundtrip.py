@@ -20,7 +20,8 @@ from harness.models import list_models, load_hf_config, resolve_model
 from harness.parallel.layout import LayoutError, resolve, validate
 from harness.parallel.state import as_layout, run_in_layout
 
-TINY_MODELS = [name for name in list_models() if name.startswith("tiny-")]
+# DeepSeek-V3 has its own (nightly) test below: the CI budget (issue 37).
+TINY_MODELS = [name for name in list_models() if name.startswith("tiny-") and name != "tiny-deepseek-v3"]
 NIGHTLY = pytest.mark.nightly
 CPU_LAYOUTS = [pytest.param(name, marks=NIGHTLY) for name in ("tp1", "tp2", "pp2", "dp2")] + [
     "tp2-sp", "pp2vpp2", "tp2pp2", "dp2ep2", "tp2ep2etp1-sp"]  # the last two: MoE models only
@@ -35,6 +36,14 @@ def _compare(exported: dict[str, torch.Tensor], expected: dict[str, torch.Tensor
                for k in common if k not in wrong_kind and not torch.equal(exported[k], expected[k])}
     return {"tensors": len(expected), "missing": sorted(expected.keys() - exported.keys()),
             "extra": sorted(exported.keys() - expected.keys()), "wrong_kind": wrong_kind, "unequal": unequal}
+
+
+def _as_saved(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What an export in `dtype` must give back: the tensor in `dtype`, but DeepSeek-V3's router bias,
+    which HF and megatron-core both keep in float32 whatever the model's dtype."""
+    from harness.models.randomize import EXPERT_BIAS_BUFFERS
+
+    return tensor if name.endswith(EXPERT_BIAS_BUFFERS) else tensor.to(dtype)
 
 
 def _roundtrip_all(layout, models: dict[str, str]) -> dict[tuple[str, str], dict]:
@@ -52,7 +61,7 @@ def _roundtrip_all(layout, models: dict[str, str]) -> dict[tuple[str, str], dict
             chunks = load_megatron_model(path, dtype=dtype, sequence_parallel=layout.sequence_parallel)
             exported = export_hf_state_dict(chunks)
             del chunks
-            results[(name, dtype_name)] = _compare(exported, {k: v.to(dtype) for k, v in checkpoint.items()})
+            results[(name, dtype_name)] = _compare(exported, {k: _as_saved(k, v, dtype) for k, v in checkpoint.items()})
     return results
 
 
@@ -61,12 +70,12 @@ def _mismatches(result: dict) -> int:
 
 
 @pytest.mark.layouts(cpu=CPU_LAYOUTS, cuda="all")
-def test_export_gives_back_the_checkpoint_exactly(world, device, layout, report):
+def test_export_gives_back_the_checkpoint_exactly(world, device, layout, report, models=TINY_MODELS):
     from harness.bridge.backends import current
     from harness.bridge.preflight import bridge_converts
 
     valid, skipped = {}, {}
-    for name in TINY_MODELS:
+    for name in models:
         if not bridge_converts(name):  # Mixtral on Megatron-Bridge
             skipped[name] = f"the {current()} bridge does not convert it"
             continue
@@ -89,6 +98,14 @@ def test_export_gives_back_the_checkpoint_exactly(world, device, layout, report)
                      if _mismatches(r[(name, dtype)])]
     assert len(per_rank[0]) == 2 * len(valid)
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.nightly
+@pytest.mark.layouts(cpu=["tp1", "tp2-sp", "pp2vpp2", "dp2ep2", "tp2ep2etp1-sp"], cuda="all")
+def test_deepseek_v3_export_gives_back_the_checkpoint_exactly(world, device, layout, report):
+    """DeepSeek-V3 (stack A only): MLA's projections and norms, the dense first layer, the router's
+    float32 expert bias and the shared experts, HF -> Megatron -> HF bit for bit."""
+    test_export_gives_back_the_checkpoint_exactly(world, device, layout, report, models=["tiny-deepseek-v3"])
 
 
 def test_the_comparison_sees_one_ulp_a_missing_an_extra_and_a_wrong_dtype_tensor():

@@ -348,7 +348,7 @@ def test_glm4_moe_mtp_layers_are_ignored_explicitly_and_nothing_else(tmp_path):
 
 
 def test_glm4_moe_passes_the_preflight_with_its_partial_rope():
-    """Both bridges convert GLM-4.5-MoE (mbridge: override 16; Megatron-Bridge: GLM45_LOCAL_EXPERTS): the
+    """Both bridges convert GLM-4.5-MoE (mbridge: override 14; Megatron-Bridge: GLM45_LOCAL_EXPERTS): the
     zoo model passes, its partial RoPE as rotary_percent 0.5."""
     from harness.bridge.preflight import rope_settings
 
@@ -385,3 +385,80 @@ def test_gpt_oss_is_refused_by_name_where_the_bridge_has_none(monkeypatch, capsy
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "not supported by the mbridge bridge" in err, err
     assert "mbridge 0.15.1 has no gpt_oss bridge" in err and "megatron-bridge" in err, err
+
+
+# ----------------------------------------------------------------------------- DeepSeek-V3 (issue 37)
+# What mbridge 0.15.1's DeepseekV3Bridge with megatron-core 0.16.1 (and the harness's overrides 15-17)
+# would build otherwise than HF's DeepseekV3ForCausalLM, refused before any rank starts. Megatron-Bridge:
+# refused by name first (not tested there).
+_DSV3_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+              "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+DEEPSEEK_V3_UNSUPPORTED = {
+    "dsv3-norm-topk": ({"norm_topk_prob": False}, (), "norm_topk_prob=False"),
+    "dsv3-group-score": ({"num_experts_per_tok": 2}, (), "megatron-core scores a group by its top"),
+    "dsv3-groups-split": ({"n_group": 3}, (), "n_group=3 does not divide n_routed_experts=16"),
+    "dsv3-no-shared": ({"n_shared_experts": 0}, (), "n_shared_experts=0"),
+    "dsv3-rope-plain-halves": ({"rope_interleave": False}, (), "rope_interleave=False"),
+    "dsv3-mtp": ({"num_nextn_predict_layers": 1}, (), "num_nextn_predict_layers=1 (MTP)"),
+    "dsv3-fp8": ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                                          "weight_block_size": [128, 128]}}, (), "FP8-quantised checkpoint"),
+    "dsv3-yarn-no-mscale-all-dim": ({"rope_parameters": {k: v for k, v in _DSV3_YARN.items() if k != "mscale_all_dim"}},
+                                    (), "rope type 'yarn' needs mscale_all_dim"),
+    "dsv3-yarn-attention-factor": ({"rope_parameters": {**_DSV3_YARN, "attention_factor": 1.0}}, (),
+                                   "explicit attention_factor"),
+    "dsv3-rope-linear": ({"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}, (),
+                         "rope type 'linear' is not supported (supported: default, yarn)"),
+    "dsv3-attention-bias": ({"attention_bias": True}, (), "attention_bias=True"),
+    "dsv3-bias-missing": (None, ("model.layers.1.mlp.gate.e_score_correction_bias",),
+                          "lacks tensors the model needs: model.layers.1.mlp.gate.e_score_correction_bias"),
+}
+
+
+@pytest.mark.parametrize("config, drop, message", _params(DEEPSEEK_V3_UNSUPPORTED))
+def test_deepseek_v3_unsupported_feature_is_one_error(tmp_path, config, drop, message):
+    path = local_checkpoint(tmp_path, "tiny-deepseek-v3", config, None, drop)
+    if not bridge_converts("tiny-deepseek-v3"):
+        message = f"model_type 'deepseek_v3' is not supported by the {current()} bridge"
+    with pytest.raises(UnsupportedModelError) as error:
+        check_model_supported(path)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_deepseek_v3_without_the_low_rank_query_is_refused():
+    """q_lora_rank None (a plain q_proj): not mapped or checked by the harness (a config object: the
+    checkpoint helper above writes None as an absent key, which DeepseekV3Config fills with 1536)."""
+    config = load_hf_config("tiny-deepseek-v3")
+    config.q_lora_rank = None
+    if not bridge_converts(config):
+        return  # refused by the bridge's name first (test_deepseek_v3_unsupported_feature_is_one_error)
+    with pytest.raises(UnsupportedModelError, match="q_lora_rank=None"):
+        check_model_supported(config)
+
+
+def test_deepseek_v3_layouts_mla_cannot_split_are_refused():
+    """MLA's down projections are column-parallel on the local spec: tp must divide q_lora_rank and
+    kv_lora_rank + qk_rope_head_dim (and the shared experts' width), one line before any rank starts."""
+    from harness.parallel.layout import LayoutError, parse_layout, validate
+
+    config = load_hf_config("tiny-deepseek-v3")
+    validate(parse_layout("tp4-sp"), 4, model=config)  # 32, 32 + 8, 2 x 16 all split over 4
+    config.kv_lora_rank, config.q_lora_rank = 30, 30  # 30 + 8 = 38
+    with pytest.raises(LayoutError) as error:
+        validate(parse_layout("tp4-sp"), 4, model=config)
+    assert "tp=4 does not divide q_lora_rank=30" in str(error.value)
+    assert "tp=4 does not divide kv_lora_rank + qk_rope_head_dim=38" in str(error.value)
+    validate(parse_layout("tp2-sp"), 2, model=config)
+
+
+def test_deepseek_v3_is_refused_by_name_where_the_bridge_is_untested(monkeypatch, capsys):
+    """`mrh parity --model tiny-deepseek-v3` on Megatron-Bridge (DeepSeek-V3 untested there): exit 2 and
+    one line naming the bridge before any world starts; on mbridge the same preflight passes."""
+    import harness.parity.cli as cli
+
+    if bridge_converts("tiny-deepseek-v3"):
+        assert check_model_supported("tiny-deepseek-v3").model_type == "deepseek_v3"
+        return
+    monkeypatch.setattr(cli, "WorldPool", _untouched)
+    assert cli.main(_parity_args("tiny-deepseek-v3")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"not supported by the {current()} bridge" in err, err

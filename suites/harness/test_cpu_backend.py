@@ -69,3 +69,19 @@ def test_patches_install_and_uninstall_cleanly():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_new_empty_takes_int_sizes_and_still_maps_a_cuda_device():
+    """`t.new_empty(*sizes)` (HF's DeepSeek-V3 MLA) keeps its int sizes; `to(0)` and a 'cuda' device still
+    land on the CPU (in a throwaway interpreter, as above)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch; from harness.backends import cpu_patches as p; p.install(); t = torch.ones(1); "
+        "assert t.new_empty(2, 1, 3).shape == (2, 1, 3); assert t.new_zeros(2, 3).shape == (2, 3); "
+        "assert t.new_empty((2,), device='cuda').device.type == 'cpu'; assert t.to(0).device.type == 'cpu'; "
+        "p.uninstall(); print('ok')"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

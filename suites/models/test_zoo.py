@@ -47,13 +47,14 @@ def test_zoo_names():
                                                  "tiny-qwen3-tied-hd32", "tiny-qwen3-kv4-hd32", "tiny-qwen2-moe",
                                                  "qwen3-8b-shape", "qwen3-30b-a3b-shape",
                                                  "tiny-gemma3", "gemma3-shape",
-                                                 "tiny-glm4-moe", "glm4.5-moe-shape", "glm4.5-air-shape"}
+                                                 "tiny-glm4-moe", "glm4.5-moe-shape", "glm4.5-air-shape",
+                                                 "tiny-deepseek-v3", "deepseek-v3-shape"}
     assert list(ZOO) == list_models() == sorted(list_models())
     for name in list_models():
         assert ZOO[name].tied == (name.removesuffix("-hd32").endswith("-tied") or name in ALWAYS_TIED)
 
 
-@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("name", [name for name in TINY if name != "tiny-deepseek-v3"])  # MLA: its own test
 def test_tiny_shape_exercises_padding_and_layouts(name):
     config = load_hf_config(name)
     assert config.vocab_size % 2 and config.vocab_size % 4, "vocab must force Megatron padding"
@@ -425,3 +426,38 @@ def test_resolve_model_dir_with_missing_shard(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ModelNotFoundError, match="model-00002-of-00002.safetensors"):
         resolve_model(tmp_path)
+
+
+def test_deepseek_v3_family_features():
+    """DeepSeek-V3 on the tiny scale, every feature on: MLA with q and kv LoRA ranks, YaRN with mscale, a
+    dense first layer, 16 experts in 4 groups (top-4 of the best 2), a random e_score_correction_bias,
+    routed_scaling_factor 2.5, 2 shared experts; TP 1/2/4 and PP 1/2/4 valid, the vocab padded."""
+    config = load_hf_config("tiny-deepseek-v3")
+    assert config.model_type == "deepseek_v3" and config.vocab_size % 2 and config.vocab_size % 4
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.q_lora_rank,
+            config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim) == \
+        (64, 4, 4, 32, 32, 16, 8, 16)
+    assert (config.n_routed_experts, config.num_experts_per_tok, config.n_group, config.topk_group,
+            config.n_shared_experts, config.routed_scaling_factor, config.first_k_dense_replace) == (16, 4, 4, 2, 2, 2.5, 1)
+    assert config.num_experts_per_tok == 2 * config.topk_group  # megatron-core's group score = HF's top-2
+    assert config.rope_parameters["rope_type"] == "yarn" and config.rope_parameters["factor"] > 1
+    assert config.rope_parameters["mscale_all_dim"] and config.norm_topk_prob and not config.num_nextn_predict_layers
+    state = _state("tiny-deepseek-v3")
+    assert "model.layers.0.mlp.down_proj.weight" in state and "model.layers.0.mlp.gate.weight" not in state
+    bias = state["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bias.shape == (16,) and bias.std() > 0.01
+    assert state["model.layers.3.self_attn.kv_a_proj_with_mqa.weight"].shape == (32 + 8, 64)
+    assert state["model.layers.3.mlp.shared_experts.down_proj.weight"].shape == (64, 32)
+
+
+def test_deepseek_v3_shape_is_the_real_architecture():
+    """The published DeepSeek-V3 dims, cut to 4 layers: defined for GPU runs, never built here (config only)."""
+    config = load_hf_config("deepseek-v3-shape")
+    assert config.model_type == "deepseek_v3"
+    assert (config.hidden_size, config.num_attention_heads, config.q_lora_rank, config.kv_lora_rank,
+            config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim, config.intermediate_size,
+            config.moe_intermediate_size, config.vocab_size) == (7168, 128, 1536, 512, 128, 64, 128, 18432, 2048, 129280)
+    assert (config.n_routed_experts, config.num_experts_per_tok, config.n_group, config.topk_group,
+            config.n_shared_experts, config.routed_scaling_factor, config.first_k_dense_replace) == (256, 8, 8, 4, 1, 2.5, 3)
+    assert 2 <= config.num_hidden_layers <= 4 and config.num_hidden_layers > config.first_k_dense_replace
+    assert config.rope_parameters["factor"] == 40 and config.rope_parameters["original_max_position_embeddings"] == 4096

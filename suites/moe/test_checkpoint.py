@@ -226,3 +226,18 @@ def test_gpt_oss_resume_at_another_expert_layout(policy, device, source, target,
         pytest.skip(f"the {current()} bridge does not convert tiny-gpt-oss "
                     "(suites/bridge/test_preflight.py: refused)")
     _resume_elsewhere(policy, source, target, tmp_path, report, model="tiny-gpt-oss")
+
+
+@pytest.mark.nightly
+@pytest.mark.layout_pairs(cpu=[("dp2ep2", "pp2"), ("pp2", "dp2ep2"), ("dp2ep2", "tp2-sp")])
+def test_deepseek_v3_resume_at_another_expert_layout(policy, device, source, target, tmp_path, report):
+    """DeepSeek-V3 (stack A only): MLA (column-parallel under TP), the dense first layer, the router's
+    expert bias (a buffer) and the shared experts reshard with the routed experts."""
+    from harness.bridge.backends import current
+    from harness.bridge.preflight import bridge_converts
+
+    if not bridge_converts("tiny-deepseek-v3"):
+        pytest.skip(f"the {current()} bridge does not convert tiny-deepseek-v3 "
+                    "(suites/bridge/test_preflight.py: refused)")
+    _resume_elsewhere(policy, source, target, tmp_path, report, model="tiny-deepseek-v3", experts=[f"{p}decoder.layers.{i}.mlp.experts." for i in (1, 2, 3)
+                                                 for p in ("", "optimizer.state.exp_avg.")])

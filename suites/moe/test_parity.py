@@ -324,3 +324,55 @@ def test_gpt_oss_expert_biases_refuse_etp2_before_any_rank_starts():
     with pytest.raises(LayoutError, match="etp=2 with expert biases"):
         validate(resolve(parse_layout("tp2-sp"), 2), 2, config)
     assert validate(resolve(parse_layout("tp2etp1-sp"), 2), 2, config).expert_tp == 1
+
+
+# DeepSeek-V3 (issue 37; stack A only: refused by name on Megatron-Bridge, these skip there): MLA (q/kv
+# LoRA, YaRN with mscale, megatron-core's local MLA core attention: harness.compat.megatron_core), a dense
+# first layer, then a sigmoid router with e_score_correction_bias, group-limited top-4, renormalised and
+# scaled by 2.5, and shared experts; the arranged reference computes the router and the experts' float32
+# combine as megatron-core does (harness.logprobs.arithmetic), so bf16 is in the exact regime. CI: tp2-sp in
+# bf16, the exact regime (MLA's column-parallel down projections and the shared experts split over TP, the
+# routed experts over etp 2); the catalog's five DeepSeek-V3 variants run the fixed path at dp2 in both
+# dtypes (suites/sensitivity). Nightly (the CI budget): tp2-sp in fp32, every other CPU layout in both
+# dtypes, the allgather dispatcher, 4 ranks, the approximate regime.
+DEEPSEEK_V3 = "tiny-deepseek-v3"
+
+
+@pytest.mark.layouts(cpu=["tp2-sp"], cuda=CPU_LAYOUTS)
+@pytest.mark.parametrize("dtype", [pytest.param("fp32", marks=pytest.mark.nightly), "bf16"])
+def test_deepseek_v3_logprobs_match_hf(world, device, layout, dtype, hf_cache, report):
+    if dtype == "bf16" and world.spec != "local":
+        pytest.skip("TE's kernels round unlike the arranged reference: TE's bf16 is in the approximate-moe "
+                    "regime (test_deepseek_v3_bf16_where_the_arithmetic_cannot_match_is_held_in_fp32)")
+    _parity(world, layout, DEEPSEEK_V3, "alltoall", hf_cache, report, dtype=dtype)
+
+
+@pytest.mark.nightly
+@pytest.mark.layouts(cpu=[name for name in CPU_LAYOUTS if name != "tp2-sp"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_deepseek_v3_logprobs_match_hf_at_every_layout(world, device, layout, dtype, hf_cache, report):
+    _parity(world, layout, DEEPSEEK_V3, "alltoall", hf_cache, report, dtype=dtype)
+
+
+# fp32 only: in bf16 the allgather dispatcher combines a token's four experts otherwise than the arranged
+# reference (the alltoall one's float32 combine): dp2ep2 max |d| 0.28, open (docs/moe.md).
+@pytest.mark.nightly
+@pytest.mark.layouts(cpu=ALLGATHER_LAYOUTS)
+def test_deepseek_v3_allgather_dispatcher(world, device, layout, hf_cache, report):
+    _parity(world, layout, DEEPSEEK_V3, "allgather", hf_cache, report, dtype="fp32")
+
+
+@pytest.mark.nightly
+@pytest.mark.layouts(cpu=EP_DP_LAYOUTS, cuda=EP_DP_CUDA)
+def test_deepseek_v3_experts_over_part_of_the_data_parallel_group(world, device, layout, hf_cache, report):
+    _parity(world, layout, DEEPSEEK_V3, "alltoall", hf_cache, report, dtype="bf16")
+
+
+# tp1 only on CPU: at tp2-sp the bf16 run's kl_k3 is 0.0122 against the approximate-moe bound 0.01 (top-4 of
+# 16 experts flips more tokens near a tie than the top-2 models the bound was set on; its fp32 evaluation
+# passes at 4.8e-6): open (docs/moe.md).
+@pytest.mark.nightly
+@pytest.mark.layouts(cpu=["tp1"], cuda=CPU_LAYOUTS)
+def test_deepseek_v3_bf16_where_the_arithmetic_cannot_match_is_held_in_fp32(world, device, layout, hf_cache, report):
+    result = _approximate(world, layout, DEEPSEEK_V3, None, hf_cache, report)
+    assert result.passed, result.summary()

@@ -89,3 +89,19 @@ def test_a_synced_engine_equals_the_trained_gpt_oss_policy(policy, device, layou
     result = sync_check(policy, layout, "fp32", device=device, model="tiny-gpt-oss")
     _record(report, result)
     assert result.passed, result.summary()
+
+
+@pytest.mark.nightly
+@pytest.mark.layouts(cpu=["tp2ep2etp1-sp"])
+def test_a_synced_engine_equals_the_trained_deepseek_v3_policy(policy, device, layout, report):
+    """DeepSeek-V3 (stack A only): MLA, the dense first layer, the expert bias and the shared experts sync
+    into the HF engine with the routed experts."""
+    from harness.bridge.backends import current
+    from harness.bridge.preflight import bridge_converts
+
+    if not bridge_converts("tiny-deepseek-v3"):
+        pytest.skip(f"the {current()} bridge does not convert tiny-deepseek-v3 "
+                    "(suites/bridge/test_preflight.py: refused)")
+    result = sync_check(policy, layout, "fp32", device=device, model="tiny-deepseek-v3")
+    _record(report, result)
+    assert result.passed, result.summary()

@@ -155,3 +155,24 @@ def test_gpt_oss_policy_steps_match_ground_truth(policy, device, layout, report)
 @pytest.mark.layouts(cpu=["tp1", "dp2ep2", "tp2etp1-sp", "pp2"], cuda=["dp2ep2", "tp2etp1-sp", "pp2"])
 def test_gpt_oss_policy_steps_match_ground_truth_at_every_layout(policy, device, layout, report):
     _gpt_oss(policy, layout, report)
+
+
+# DeepSeek-V3 (stack A only): MLA, the dense first layer, the sigmoid router (its expert bias fixed:
+# compat override 16 sets moe_router_bias_update_rate 0, as HF keeps it) and the shared experts train
+# across layouts as in one process; under TP with megatron-core 0.16.1's MLA rope-key gradient summed over
+# the TP ranks (harness.compat.megatron_core.MLA_ROPE_KEY_GRAD: stock, tp2-sp's step-0 grad norm was 3.4%
+# off). Nightly (CI's MoE training slice is Qwen3-MoE's and Qwen2-MoE's).
+DEEPSEEK_V3 = "tiny-deepseek-v3"
+
+
+@pytest.mark.nightly
+# tp2ep2etp1-sp is left out: with the workaround its loss and grad norm hold the bounds but one weight
+# (layer 0's kv_b_proj) ends 1.14e-5 off against the 1e-5 bound after 2 steps: open (docs/moe.md).
+@pytest.mark.layouts(cpu=["tp1", "dp2ep2", "tp2-sp", "pp2"], cuda=["tp1", "dp2ep2", "tp2-sp", "pp2"])
+def test_deepseek_v3_policy_steps_match_ground_truth(policy, device, layout, report):
+    from harness.bridge.backends import current
+    from harness.bridge.preflight import bridge_converts
+
+    if not bridge_converts(DEEPSEEK_V3):
+        pytest.skip(f"the {current()} bridge does not convert {DEEPSEEK_V3} (suites/bridge/test_preflight.py: refused)")
+    _check(policy, layout, report, model=DEEPSEEK_V3)

@@ -54,7 +54,7 @@ from harness.bridge.versions import fused_softmax_kernels_available
 _FUSIONS_OFF = ("gradient_accumulation_fusion", "bias_activation_fusion", "bias_dropout_fusion",
                       "persist_layer_norm", "apply_rope_fusion", "moe_permute_fusion")
 _PADDED = ("model.embed_tokens.weight", "lm_head.weight")
-# GLM-4.5-MoE on the CPU tier, as mbridge_compat's override 16 builds it (module docstring).
+# GLM-4.5-MoE on the CPU tier, as mbridge_compat's override 14 builds it (module docstring).
 GLM45_SETTINGS = {"moe_shared_expert_overlap": False, "mtp_num_layers": None, "moe_router_bias_update_rate": 0.0}
 
 
