@@ -94,16 +94,27 @@ def test_tp4_parity(world, device, layout, dtype, hf_cache, report):
 
 @pytest.mark.layouts(cpu=["tp2", "pp2", "tp2-sp"], cuda=["tp1", "tp2", "pp2", "tp2-sp"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("packing", ["packed", "thd"])
-def test_packed_sequences_match_hf(world, device, layout, dtype, packing, hf_cache, report):
-    """The remove-padding path: each micro-batch's sequences packed into one row, "packed" with a
-    block-diagonal causal mask (the local spec), "thd" as verl and NeMo-RL feed it: the sequence
-    boundaries (cu_seqlens) through the attention (TE's, or the local spec's subclass that builds the
-    block-diagonal mask from them: harness.parallel.cp_attention)."""
-    if packing == "packed" and world.spec == "te":
-        pytest.skip("TE's attention takes packed sequences as THD (cu_seqlens), not as a mask")
-    case = ParityCase("tiny-qwen3", layout, dtype, packing=packing)
+def test_packed_sequences_match_hf(world, device, layout, dtype, hf_cache, report):
+    """The remove-padding path: each micro-batch's sequences packed into one row; on the local spec
+    with a block-diagonal causal mask, on the TE spec as verl and NeMo-RL feed it, THD with the
+    sequence boundaries (cu_seqlens) through TE's attention."""
+    case = ParityCase("tiny-qwen3", layout, dtype, packing="thd" if world.spec == "te" else "packed")
     result = _run_or_skip_invalid(world, case, hf_cache=hf_cache, test=report.test)
+    report.extend(result.rows)
+    assert result.passed, result.summary()
+
+
+@pytest.mark.layouts(cpu=["tp2", pytest.param("pp2", marks=pytest.mark.nightly),
+                          pytest.param("tp2-sp", marks=pytest.mark.nightly)], cuda=["tp2"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_thd_on_the_local_spec_matches_hf(world, device, layout, dtype, hf_cache, report):
+    """THD on the local spec: megatron-core's local attention refuses packed sequences; the harness's
+    subclass (harness.parallel.cp_attention) builds the block-diagonal causal mask from cu_seqlens. The
+    same packed row as "packed", fed as verl and NeMo-RL feed it (CI: tp2; nightly: pp2, tp2-sp)."""
+    if world.spec != "local":
+        pytest.skip("the local spec's THD attention (TE's: test_packed_sequences_match_hf)")
+    result = _run_or_skip_invalid(world, ParityCase("tiny-qwen3", layout, dtype, packing="thd"), hf_cache=hf_cache,
+                                  test=report.test)
     report.extend(result.rows)
     assert result.passed, result.summary()
 

@@ -55,7 +55,6 @@ def _check_rows_and_outcomes(document: dict) -> None:
                         "test_fails": "failed"}
 
 
-@pytest.mark.nightly  # CI: the xdist session below checks the same (_check_rows_and_outcomes)
 def test_rows_from_ranks_and_the_test_reach_results_with_outcomes(pytester):
     pytester.makepyfile(test_inner=INNER)
     reports = pytester.path / "reports"
@@ -65,6 +64,9 @@ def test_rows_from_ranks_and_the_test_reach_results_with_outcomes(pytester):
     _check_rows_and_outcomes(_results(reports))
 
 
+# nightly: ~40 s on the CI machine (two xdist workers, each its own world; CI runs no xdist); CI runs the
+# single-process session above, which the merged report must equal in what it checks (_check_rows_and_outcomes)
+@pytest.mark.nightly
 def test_xdist_workers_are_merged_into_one_report(pytester):
     pytester.makepyfile(test_inner=INNER)
     reports = pytester.path / "reports"
