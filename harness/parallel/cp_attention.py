@@ -132,7 +132,10 @@ def use_gathered_kv_attention(block_spec: Any, cp: int = 1) -> Any:
     def swap(index: int, layer_spec: Any) -> Any:
         attention = getattr(layer_spec.submodules, "self_attention", None)
         core = getattr(getattr(attention, "submodules", None), "core_attention", None)
-        if core is not DotProductAttention:
+        # Plain self-attention only: MLA (DeepSeek-V3) builds its core attention with other head widths
+        # (harness.compat.megatron_core's MLA core attention)
+        plain = getattr(getattr(attention, "module", None), "__name__", None) == "SelfAttention"
+        if core is not DotProductAttention or not plain:
             if cp > 1:
                 raise TypeError(f"layer_specs[{index}]: core attention {getattr(core, '__name__', core)!r} under "
                                 "context parallelism on the local spec (only DotProductAttention is replaced)")

@@ -380,6 +380,9 @@ def _model_problems(layout: Layout, model: Any) -> list[str]:
 
     # Sliding-window attention (Gemma 3's, harness.bridge.gemma3; gpt-oss's) has no CP in the harness: the
     # local spec's gathered-kv attention builds a causal mask only, and no windowed model was run on TE's CP.
+    if layout.cp > 1 and _model_attr(model, "kv_lora_rank") is not None:
+        problems.append(f"cp={layout.cp} with multi-head latent attention (DeepSeek-V3's MLA): the harness's "
+                        "context-parallel attention takes plain self-attention only")
     window = sliding_window(model)
     if layout.cp > 1 and window:
         problems.append(f"cp={layout.cp} with sliding-window attention (sliding_window={window}): context "

@@ -588,7 +588,7 @@ def test_etp_times_ep_must_divide_the_ranks_of_a_stage_and_etp_needs_experts() -
         Layout(etp=0)
 
 
-def test_a_cp_layout_is_refused_for_sliding_window_attention():
+def test_a_cp_layout_is_refused_for_sliding_window_and_latent_attention():
     """CP's attentions here run full causal attention: a windowed model (Gemma 3) is refused before any
     rank starts; a window the config turns off (Qwen2's use_sliding_window=False) is not one."""
     from harness.models import load_hf_config
@@ -599,3 +599,5 @@ def test_a_cp_layout_is_refused_for_sliding_window_attention():
     qwen2 = load_hf_config("tiny-qwen2")
     qwen2.sliding_window, qwen2.use_sliding_window = 16, False
     validate(parse_layout("cp2"), 2, qwen2)
+    with pytest.raises(LayoutError, match="multi-head latent attention"):
+        validate(parse_layout("cp2"), 2, load_hf_config("tiny-deepseek-v3"))
