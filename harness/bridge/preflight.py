@@ -518,13 +518,9 @@ def expected_tensor_names(hf_config: PretrainedConfig) -> set[str]:
     return names
 
 
-def _glm4_moe_tensor_names(hf_config: PretrainedConfig, names: set[str]) -> set[str]:
-    """GLM-4.5-MoE's: q/k/v biases, QK-norm if on, the first first_k_dense_replace layers dense, the rest
-    sparse with the router's e_score_correction_bias and the (ungated) shared expert."""
-    attention = ["input_layernorm.weight", "post_attention_layernorm.weight",
-                 *(f"self_attn.{p}_proj.weight" for p in "qkvo"), *(f"self_attn.{p}_proj.bias" for p in "qkv")]
-    if getattr(hf_config, "use_qk_norm", False):
-        attention += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+def _dense_first_then_routed(hf_config: PretrainedConfig, names: set[str], attention: list[str]) -> set[str]:
+    """GLM-4.5-MoE's and DeepSeek-V3's layers: `attention`, then the first first_k_dense_replace layers'
+    dense MLP, the rest's router (with its e_score_correction_bias), shared experts and routed experts."""
     dense = [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
     sparse = ["mlp.gate.weight", "mlp.gate.e_score_correction_bias",
               *(f"mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")),
@@ -534,6 +530,16 @@ def _glm4_moe_tensor_names(hf_config: PretrainedConfig, names: set[str]) -> set[
         mlp = dense if layer < hf_config.first_k_dense_replace else sparse
         names.update(f"model.layers.{layer}.{name}" for name in attention + mlp)
     return names
+
+
+def _glm4_moe_tensor_names(hf_config: PretrainedConfig, names: set[str]) -> set[str]:
+    """GLM-4.5-MoE's: q/k/v biases, QK-norm if on, the first first_k_dense_replace layers dense, the rest
+    sparse with the router's e_score_correction_bias and the (ungated) shared expert."""
+    attention = ["input_layernorm.weight", "post_attention_layernorm.weight",
+                 *(f"self_attn.{p}_proj.weight" for p in "qkvo"), *(f"self_attn.{p}_proj.bias" for p in "qkv")]
+    if getattr(hf_config, "use_qk_norm", False):
+        attention += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    return _dense_first_then_routed(hf_config, names, attention)
 
 
 def _deepseek_v3_tensor_names(hf_config: PretrainedConfig, names: set[str]) -> set[str]:
@@ -542,15 +548,7 @@ def _deepseek_v3_tensor_names(hf_config: PretrainedConfig, names: set[str]) -> s
     attention = ["input_layernorm.weight", "post_attention_layernorm.weight",
                  *(f"self_attn.{p}.weight" for p in ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa",
                                                      "kv_a_layernorm", "kv_b_proj", "o_proj"))]
-    dense = [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
-    sparse = ["mlp.gate.weight", "mlp.gate.e_score_correction_bias",
-              *(f"mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")),
-              *(f"mlp.experts.{e}.{p}_proj.weight" for e in range(num_experts(hf_config))
-                for p in ("gate", "up", "down"))]
-    for layer in range(hf_config.num_hidden_layers):
-        mlp = dense if layer < hf_config.first_k_dense_replace else sparse
-        names.update(f"model.layers.{layer}.{name}" for name in attention + mlp)
-    return names
+    return _dense_first_then_routed(hf_config, names, attention)
 
 
 def checkpoint_tensor_names(path: Path) -> set[str]:
