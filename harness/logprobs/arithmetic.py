@@ -349,7 +349,7 @@ class MegatronRoundedDeepseekMoE(MegatronRoundedMoE):
         logits = F.linear(tokens.float(), gate.weight.float())
         scores = torch.sigmoid(logits)
         choice = scores + gate.e_score_correction_bias
-        experts, groups = choice.shape[-1], gate.num_group
+        experts, groups = choice.shape[-1], getattr(gate, "num_group", None) or gate.n_group
         if gate.topk_group and groups > 1:
             group_scores = choice.view(-1, groups, experts // groups).topk(self.top_k // gate.topk_group, dim=-1)[0].sum(-1)
             chosen_groups = torch.topk(group_scores, k=gate.topk_group, dim=-1, sorted=False)[1]
@@ -423,7 +423,7 @@ def arrange_like_megatron(model: nn.Module, *, tp: int = 1, expert_tp: int | Non
         sparse = getattr(layer, "mlp", None)
         sparse = sparse if sparse is not None and _is_sparse_block(sparse) else None
         if sparse is not None:
-            deepseek = hasattr(sparse.gate, "e_score_correction_bias")
+            deepseek = type(sparse).__name__.startswith("DeepseekV3")  # GLM-4.5-MoE: MegatronRoundedMoE
             layer.mlp = (MegatronRoundedGptOssMoE(sparse, expert_tp) if _is_gpt_oss_block(sparse)
                          else MegatronRoundedDeepseekMoE(sparse, expert_tp, tp) if deepseek
                          else MegatronRoundedMoE(sparse, expert_tp, tp))
