@@ -136,14 +136,15 @@ def residual(worker) -> dict[str, Any]:
                 seen.setdefault(storage_id(obj), obj)
         except Exception:  # objects that fail isinstance/attribute access mid-teardown
             continue
-    items = sorted(((rounded(t.untyped_storage().nbytes(), device), str(t.dtype), list(t.shape))
+    # Plain ints and strings: what a rank sends back must pickle, whatever tensor the census met
+    items = sorted(((int(rounded(t.untyped_storage().nbytes(), device)), str(t.dtype), [int(d) for d in t.shape])
                     for t in seen.values()), reverse=True)
     allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else sum(i[0] for i in items)
     from harness.compat.transformer_engine import workspaces_held
 
     return {"allocated_bytes": allocated, "census_bytes": sum(i[0] for i in items), "tensors": len(items),
-            "largest": items[:8], "held": {c: inventory.held(worker, c, device) for c in worker.offloader.components},
-            "te_workspaces": workspaces_held()}
+            "largest": items[:8], "held": {c: int(inventory.held(worker, c, device)) for c in worker.offloader.components},
+            "te_workspaces": int(workspaces_held())}
 
 
 def live_workers(*_) -> dict[str, int]:
