@@ -71,9 +71,8 @@ def megatron_logprobs(
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
     window = getattr(getattr(unwrap_model(list(models))[0], "config", None), "window_size", None)
     # gpt-oss (docs/moe.md): megatron-core's windowed attention drops the mask; Gemma 3's keeps it (KEEPS_MASK)
-    keeps_mask = any(getattr(module, "KEEPS_MASK", False) for model in unwrap_model(list(models))
-                     for module in model.modules())
-    if packing == "packed" and window and not keeps_mask and bridge_info(models).spec != "te":
+    if packing == "packed" and window and bridge_info(models).spec != "te" and not any(
+            getattr(module, "KEEPS_MASK", False) for model in unwrap_model(list(models)) for module in model.modules()):
         raise ValueError(f"packing 'packed' with sliding-window attention (window_size {window}): megatron-core's "
                          "local softmax replaces the block-diagonal mask with its own causal window, so packed "
                          "sequences would attend to each other; feed 'right'")

@@ -90,6 +90,16 @@ def skip_invalid_layout() -> Iterator[None]:
         pytest.skip(str(exc).replace("\n", " "))
 
 
+def skip_unless_converted(model: str) -> None:
+    """Skip the test when this run's bridge refuses `model`'s family by name (a family one stack cannot
+    build: suites/bridge/test_preflight.py holds the refusal itself)."""
+    from harness.bridge.backends import current
+    from harness.bridge.preflight import bridge_converts
+
+    if not bridge_converts(model):
+        pytest.skip(f"the {current()} bridge does not convert {model} (suites/bridge/test_preflight.py: refused)")
+
+
 def skip_unless_fits(config: pytest.Config, size: int, device: str) -> None:
     """Skip the test (with the reason) when a world of `size` ranks does not fit on `device`.
     Shared by every fixture that starts or borrows a world (here and in `workers`)."""

@@ -17,6 +17,7 @@ from harness.checkpoint.diff import diff_checkpoints
 from harness.checkpoint.resume_check import CONFIG, K_STEPS, MODEL, assert_dp_reshardable_refused, resume_and_compare, \
     train_and_save, train_batch
 from harness.parallel.state import run_in_layout
+from harness.pytest_plugin.worlds import skip_unless_converted
 
 # The issue's pairs (tp1 fills the world with dp), plus tp2pp2 -> tp4: TP4 pads the vocab to 512
 # rows where TP2 pads it to 256, so the two checkpoints' embeddings differ in shape. CI resumes TP at
@@ -166,11 +167,7 @@ GEMMA3 = "tiny-gemma3"
 @pytest.mark.nightly
 @pytest.mark.layout_pairs(cpu=[("pp2", "tp2"), ("tp2", "dp2"), ("dp2", "pp2")], cuda=[("pp2", "tp2")])
 def test_gemma3_resume_at_another_layout_continues_exactly(policy, device, source, target, tmp_path, report):
-    from harness.bridge.backends import current
-    from harness.bridge.preflight import bridge_converts
-
-    if not bridge_converts(GEMMA3):
-        pytest.skip(f"the {current()} bridge does not convert {GEMMA3} (suites/bridge/test_preflight.py: refused)")
+    skip_unless_converted(GEMMA3)
     if policy.spec != "local":
         pytest.skip("harness.bridge.gemma3 builds Gemma 3 on the local spec only (docs/gemma3.md)")
     src = train_and_save(policy, source, tmp_path / "src", model=GEMMA3)

@@ -21,6 +21,7 @@ from harness.checkpoint.diff import diff_checkpoints
 from harness.checkpoint.resume_check import CONFIG, K_STEPS, assert_dp_reshardable_refused, resume_and_compare, \
     train_and_save, train_batch
 from harness.parallel.state import as_layout
+from harness.pytest_plugin.worlds import skip_unless_converted
 
 MODEL = "tiny-qwen3-moe"
 # ep2 <-> etp2 (the experts split by expert, then by width), ep2 <-> pp2 (by expert, then by layer),
@@ -101,12 +102,7 @@ def test_moe_resume_at_every_expert_layout_pair(policy, device, source, target, 
 def test_qwen2_moe_resume_at_another_expert_layout(policy, device, source, target, tmp_path, report):
     """Qwen2-MoE (stack A only): the shared expert (replicated over DP at dp2ep2, split over TP at tp2-sp)
     and its gate (replicated everywhere) reshard with the routed experts."""
-    from harness.bridge.backends import current
-    from harness.bridge.preflight import bridge_converts
-
-    if not bridge_converts("tiny-qwen2-moe"):
-        pytest.skip(f"the {current()} bridge does not convert tiny-qwen2-moe "
-                    "(suites/bridge/test_preflight.py: refused)")
+    skip_unless_converted("tiny-qwen2-moe")
     _resume_elsewhere(policy, source, target, tmp_path, report, model="tiny-qwen2-moe")
 
 
@@ -116,12 +112,7 @@ def test_glm4_moe_resume_at_another_expert_layout(policy, device, source, target
     """GLM-4.5-MoE (stack A only): the dense first layer, the shared expert and the routers' expert bias
     (a buffer: in the checkpoint, never trained) reshard with the routed experts; to pp2 the dense layer
     and the first sparse one sit on one stage, the other two on the other."""
-    from harness.bridge.backends import current
-    from harness.bridge.preflight import bridge_converts
-
-    if not bridge_converts("tiny-glm4-moe"):
-        pytest.skip(f"the {current()} bridge does not convert tiny-glm4-moe "
-                    "(suites/bridge/test_preflight.py: refused)")
+    skip_unless_converted("tiny-glm4-moe")
     per_layer = tuple(f"{prefix}decoder.layers.{layer}.mlp.{what}." for layer in (1, 2, 3)
                       for prefix in ("", "optimizer.state.exp_avg.") for what in ("experts", "router"))
     _resume_elsewhere(policy, source, target, tmp_path, report, model="tiny-glm4-moe", experts=per_layer)
@@ -219,12 +210,7 @@ def test_moe_job_killed_mid_save_leaves_a_resumable_root(policy, device, point, 
 def test_gpt_oss_resume_at_another_expert_layout(policy, device, source, target, tmp_path, report):
     """gpt-oss (stack B only): the experts (with their biases) split over EP, then whole beside a TP split
     of the attention (its sinks split over the heads), and back."""
-    from harness.bridge.backends import current
-    from harness.bridge.preflight import bridge_converts
-
-    if not bridge_converts("tiny-gpt-oss"):
-        pytest.skip(f"the {current()} bridge does not convert tiny-gpt-oss "
-                    "(suites/bridge/test_preflight.py: refused)")
+    skip_unless_converted("tiny-gpt-oss")
     _resume_elsewhere(policy, source, target, tmp_path, report, model="tiny-gpt-oss")
 
 
@@ -233,11 +219,6 @@ def test_gpt_oss_resume_at_another_expert_layout(policy, device, source, target,
 def test_deepseek_v3_resume_at_another_expert_layout(policy, device, source, target, tmp_path, report):
     """DeepSeek-V3 (stack A only): MLA (column-parallel under TP), the dense first layer, the router's
     expert bias (a buffer) and the shared experts reshard with the routed experts."""
-    from harness.bridge.backends import current
-    from harness.bridge.preflight import bridge_converts
-
-    if not bridge_converts("tiny-deepseek-v3"):
-        pytest.skip(f"the {current()} bridge does not convert tiny-deepseek-v3 "
-                    "(suites/bridge/test_preflight.py: refused)")
-    _resume_elsewhere(policy, source, target, tmp_path, report, model="tiny-deepseek-v3", experts=[f"{p}decoder.layers.{i}.mlp.experts." for i in (1, 2, 3)
-                                                 for p in ("", "optimizer.state.exp_avg.")])
+    skip_unless_converted("tiny-deepseek-v3")
+    per_layer = [f"{p}decoder.layers.{layer}.mlp.experts." for layer in (1, 2, 3) for p in ("", "optimizer.state.exp_avg.")]
+    _resume_elsewhere(policy, source, target, tmp_path, report, model="tiny-deepseek-v3", experts=per_layer)

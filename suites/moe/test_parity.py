@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 
 from harness.parity.runner import ParityCase, run_parity
+from harness.pytest_plugin.worlds import skip_unless_converted
 
 # ep2 on 2 ranks is dp2ep2: the experts split over the data-parallel ranks. With tp, megatron-core's
 # MoE layer trains only with sequence parallelism: tp2-sp (etp2, the default) and tp2ep2etp1-sp.
@@ -35,11 +36,7 @@ EP_DP_CUDA = EP_DP_LAYOUTS + ["tp2ep2dp2-sp"]
 
 
 def _parity(world, layout, model, dispatcher, hf_cache, report, dtype="fp32"):
-    from harness.bridge.backends import current
-    from harness.bridge.preflight import bridge_converts
-
-    if not bridge_converts(model):
-        pytest.skip(f"the {current()} bridge does not convert {model} (suites/bridge/test_preflight.py: refused)")
+    skip_unless_converted(model)
     result = run_parity(world, ParityCase(model, layout, dtype, dispatcher=dispatcher), hf_cache=hf_cache,
                         test=report.test)
     report.extend(result.rows)
@@ -81,11 +78,7 @@ def test_qwen3_moe_bf16_logprobs_match_hf_exactly(world, device, layout, hf_cach
 # bf16 model (its state, and its routing as built) is evaluated in fp32 and held to the fp32 bounds:
 # that is the check that sees a wrong expert order, top-k or router softmax there.
 def _approximate(world, layout, model, variant, hf_cache, report):
-    from harness.bridge.backends import current
-    from harness.bridge.preflight import bridge_converts
-
-    if not bridge_converts(model):
-        pytest.skip(f"the {current()} bridge does not convert {model} (suites/bridge/test_preflight.py: refused)")
+    skip_unless_converted(model)
     case = dict(norm_precision="fused") if world.spec == "local" else {}
     result = run_parity(world, ParityCase(model, layout, "bf16", variant=variant, dispatcher="alltoall", **case),
                         hf_cache=hf_cache, test=report.test)
@@ -270,12 +263,9 @@ def test_glm4_moe_mtp_layer_is_ignored_explicitly(world, device, layout, hf_cach
     does) and matches HF: the MTP layer changes no logprob of either side."""
     import torch
 
-    from harness.bridge.backends import current
-    from harness.bridge.preflight import bridge_converts
     from suites.bridge.test_preflight import local_checkpoint
 
-    if not bridge_converts(GLM4_MOE):
-        pytest.skip(f"the {current()} bridge does not convert {GLM4_MOE}")
+    skip_unless_converted(GLM4_MOE)
     generator = torch.Generator().manual_seed(5)
     mtp = {f"model.layers.4.{name}": torch.randn(shape, generator=generator) for name, shape in (
         ("eh_proj.weight", (64, 128)), ("enorm.weight", (64,)), ("hnorm.weight", (64,)),

@@ -12,6 +12,7 @@ import pytest
 
 from harness.rollout.check import sync_check
 from harness.rollout.sync import expert_group
+from harness.pytest_plugin.worlds import skip_unless_converted
 from suites.rollout.test_sync import _record
 
 MODEL = "tiny-qwen3-moe"
@@ -46,12 +47,7 @@ def test_a_synced_engine_equals_the_trained_moe_policy_elsewhere(policy, device,
 @pytest.mark.layouts(cpu=["tp2ep2etp1-sp"])
 def test_a_synced_engine_equals_the_trained_qwen2_moe_policy(policy, device, layout, report):
     """Qwen2-MoE (stack A only): the shared expert and its gate sync with the routed experts."""
-    from harness.bridge.backends import current
-    from harness.bridge.preflight import bridge_converts
-
-    if not bridge_converts("tiny-qwen2-moe"):
-        pytest.skip(f"the {current()} bridge does not convert tiny-qwen2-moe "
-                    "(suites/bridge/test_preflight.py: refused)")
+    skip_unless_converted("tiny-qwen2-moe")
     result = sync_check(policy, layout, "fp32", device=device, model="tiny-qwen2-moe")
     _record(report, result)
     assert result.passed, result.summary()
@@ -63,12 +59,7 @@ def test_a_synced_engine_equals_the_trained_qwen2_moe_policy(policy, device, lay
 def test_a_synced_engine_equals_the_trained_glm4_moe_policy(policy, device, layout, report):
     """GLM-4.5-MoE (stack A only): the dense first layer, the shared expert and the routers' expert bias (a
     buffer, which mbridge exports from the state dict) sync with the routed experts."""
-    from harness.bridge.backends import current
-    from harness.bridge.preflight import bridge_converts
-
-    if not bridge_converts("tiny-glm4-moe"):
-        pytest.skip(f"the {current()} bridge does not convert tiny-glm4-moe "
-                    "(suites/bridge/test_preflight.py: refused)")
+    skip_unless_converted("tiny-glm4-moe")
     result = sync_check(policy, layout, "fp32", device=device, model="tiny-glm4-moe")
     _record(report, result)
     assert result.passed, result.summary()
@@ -81,11 +72,7 @@ def test_a_synced_engine_equals_the_trained_glm4_moe_policy(policy, device, layo
 def test_a_synced_engine_equals_the_trained_gpt_oss_policy(policy, device, layout, report):
     """gpt-oss (stack B only): the sinks, the expert biases and the fused HF expert tensors (one tensor per
     layer and projection, exported from the experts of every EP rank) sync with the rest."""
-    from harness.bridge.backends import current
-    from harness.bridge.preflight import bridge_converts
-
-    if not bridge_converts("tiny-gpt-oss"):
-        pytest.skip(f"the {current()} bridge does not convert tiny-gpt-oss (suites/bridge/test_preflight.py: refused)")
+    skip_unless_converted("tiny-gpt-oss")
     result = sync_check(policy, layout, "fp32", device=device, model="tiny-gpt-oss")
     _record(report, result)
     assert result.passed, result.summary()
@@ -96,12 +83,7 @@ def test_a_synced_engine_equals_the_trained_gpt_oss_policy(policy, device, layou
 def test_a_synced_engine_equals_the_trained_deepseek_v3_policy(policy, device, layout, report):
     """DeepSeek-V3 (stack A only): MLA, the dense first layer, the expert bias and the shared experts sync
     into the HF engine with the routed experts."""
-    from harness.bridge.backends import current
-    from harness.bridge.preflight import bridge_converts
-
-    if not bridge_converts("tiny-deepseek-v3"):
-        pytest.skip(f"the {current()} bridge does not convert tiny-deepseek-v3 "
-                    "(suites/bridge/test_preflight.py: refused)")
+    skip_unless_converted("tiny-deepseek-v3")
     result = sync_check(policy, layout, "fp32", device=device, model="tiny-deepseek-v3")
     _record(report, result)
     assert result.passed, result.summary()

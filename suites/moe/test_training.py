@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from harness.pytest_plugin.worlds import skip_unless_converted
+
 from suites.training.test_policy import _check
 
 MODEL = "tiny-qwen3-moe"
@@ -31,11 +33,8 @@ QWEN2_MOE = "tiny-qwen2-moe"
 
 
 def _qwen2_moe(policy, layout, report):
-    from harness.bridge.backends import current
-    from harness.bridge.preflight import bridge_converts
 
-    if not bridge_converts(QWEN2_MOE):
-        pytest.skip(f"the {current()} bridge does not convert {QWEN2_MOE} (suites/bridge/test_preflight.py: refused)")
+    skip_unless_converted(QWEN2_MOE)
     _check(policy, layout, report, model=QWEN2_MOE)
 
 
@@ -59,11 +58,8 @@ GLM4_MOE = "tiny-glm4-moe"
 
 
 def _glm4_moe(policy, layout, report):
-    from harness.bridge.backends import current
-    from harness.bridge.preflight import bridge_converts
 
-    if not bridge_converts(GLM4_MOE):
-        pytest.skip(f"the {current()} bridge does not convert {GLM4_MOE} (suites/bridge/test_preflight.py: refused)")
+    skip_unless_converted(GLM4_MOE)
     _check(policy, layout, report, model=GLM4_MOE)
 
 
@@ -138,11 +134,8 @@ GPT_OSS = "tiny-gpt-oss"
 
 
 def _gpt_oss(policy, layout, report):
-    from harness.bridge.backends import current
-    from harness.bridge.preflight import bridge_converts
 
-    if not bridge_converts(GPT_OSS):
-        pytest.skip(f"the {current()} bridge does not convert {GPT_OSS} (suites/bridge/test_preflight.py: refused)")
+    skip_unless_converted(GPT_OSS)
     _check(policy, layout, report, model=GPT_OSS)
 
 
@@ -170,9 +163,6 @@ DEEPSEEK_V3 = "tiny-deepseek-v3"
 # (layer 0's kv_b_proj) ends 1.14e-5 off against the 1e-5 bound after 2 steps: open (docs/moe.md).
 @pytest.mark.layouts(cpu=["tp1", "dp2ep2", "tp2-sp", "pp2"], cuda=["tp1", "dp2ep2", "tp2-sp", "pp2"])
 def test_deepseek_v3_policy_steps_match_ground_truth(policy, device, layout, report):
-    from harness.bridge.backends import current
-    from harness.bridge.preflight import bridge_converts
 
-    if not bridge_converts(DEEPSEEK_V3):
-        pytest.skip(f"the {current()} bridge does not convert {DEEPSEEK_V3} (suites/bridge/test_preflight.py: refused)")
+    skip_unless_converted(DEEPSEEK_V3)
     _check(policy, layout, report, model=DEEPSEEK_V3)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.pytest_plugin.worlds import skip_invalid_layout
+from harness.pytest_plugin.worlds import skip_invalid_layout, skip_unless_converted
 from harness.rollout import HFEngine, sync_weights
 from harness.rollout.check import sync_check
 from harness.variants import VariantError
@@ -80,11 +80,8 @@ def test_bad_sync_input_is_one_clear_error_before_any_work(policy, device, layou
                           pytest.param("dp2", marks=pytest.mark.nightly)], cuda=["pp2", "tp2"])
 @pytest.mark.parametrize("dtype", ["fp32", pytest.param("bf16", marks=pytest.mark.nightly)])
 def test_a_synced_engine_equals_the_trained_gemma3_policy(policy, device, layout, dtype, report):
-    from harness.bridge.backends import current
-    from harness.bridge.preflight import bridge_converts
 
-    if not bridge_converts("tiny-gemma3"):
-        pytest.skip(f"the {current()} bridge does not convert tiny-gemma3 (suites/bridge/test_preflight.py: refused)")
+    skip_unless_converted("tiny-gemma3")
     if policy.spec != "local":
         pytest.skip("harness.bridge.gemma3 builds Gemma 3 on the local spec only (docs/gemma3.md)")
     result = sync_check(policy, layout, dtype, device=device, model="tiny-gemma3")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from harness.models import build_hf_model
-from harness.pytest_plugin.worlds import skip_invalid_layout
+from harness.pytest_plugin.worlds import skip_invalid_layout, skip_unless_converted
 from harness.training.invariance import MODEL, compare_to_ground_truth, policy_config
 from harness.training.tolerances import training_tolerance
 
@@ -104,11 +104,8 @@ GEMMA3 = "tiny-gemma3"
 
 
 def _gemma3(policy, layout, report, **kwargs):
-    from harness.bridge.backends import current
-    from harness.bridge.preflight import bridge_converts
 
-    if not bridge_converts(GEMMA3):
-        pytest.skip(f"the {current()} bridge does not convert {GEMMA3} (suites/bridge/test_preflight.py: refused)")
+    skip_unless_converted(GEMMA3)
     if policy.spec != "local":
         pytest.skip("harness.bridge.gemma3 builds Gemma 3 on the local spec only (docs/gemma3.md)")
     _check(policy, layout, report, model=GEMMA3, **kwargs)
