@@ -10,8 +10,10 @@ never does. What the switch covers (read in both versions' source):
 - aten::mm and aten::addmm -> a persistent Triton matmul (fixed tiles, fp32 accumulation): the local
   spec's linear layers (and the output layer);
 - aten::_log_softmax and aten::mean.dim -> Triton kernels with a fixed reduction order: the
-  RMSNorm's mean of squares (the harness's LocalRMSNorm). The harness's logprobs do not go through
-  log_softmax: they are megatron-core's vocab_parallel_cross_entropy (max, exp, sum: unpatched);
+  RMSNorm's mean of squares (the harness's LocalRMSNorm). The harness's logprobs are megatron-core's
+  vocab_parallel_cross_entropy (max, exp, sum: torch reductions the switch does not patch, whose CUDA
+  reduction order follows the row count); with the switch on at tp 1 they are `log_softmax` instead
+  (harness.logprobs.vocab_parallel), one of the switch's kernels;
 - with Transformer Engine importable: TE's `general_gemm` (every TE linear layer's GEMM, as the
   same Triton matmul), `te.RMSNorm.forward` (the final norm, QK-norm) and, on 0.19.2 only,
   `apply_normalization` (the RMSNorm TE fuses into LayerNormLinear: input_layernorm and
@@ -60,6 +62,15 @@ def kernels():
     if not getattr(module, "HAVE_TRITON", True):
         raise BatchInvarianceUnavailable("megatron-core's batch-invariant kernels need Triton, which is not installed")
     return module
+
+
+def active() -> bool:
+    """Whether megatron-core's batch-invariant kernels are on in this process now (never imports them:
+    on the CPU tier, without Triton, the answer is False)."""
+    import sys
+
+    module = sys.modules.get("megatron.core.transformer.custom_layers.batch_invariant_kernels")
+    return bool(module is not None and module.is_batch_invariant_mode_enabled())
 
 
 @contextmanager

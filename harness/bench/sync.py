@@ -20,7 +20,9 @@ load, the broadcast group's setup), then `--repeats` timed full updates
 Where an update's time goes (`SyncReport`; medians over the timed updates, and per update in `updates`):
   * export_s            - the driver's calls to the ranks for the buckets, one call per bucket:
     * export_walk_s     - rank 0 in the bridge's export walk (iter_hf_weights: per tensor its TP gather
-                          and PP broadcast, and the bridge's own per-tensor collectives; every rank walks);
+                          and PP broadcast; every rank walks). `bridge` names whose walk: mbridge's with
+                          the stages' names exchanged once per export (harness.bridge.mbridge_compat,
+                          override 18; stock exchanged them per tensor, even at pp 1), or Megatron-Bridge's;
     * export_copy_s     - rank 0 keeping each tensor: its one copy (host: to the CPU; cuda-ipc/broadcast:
                           into the bucket's packed buffer), gate/up fused, what a variant holds;
     * export_pack_s     - rank 0 finishing each bucket: cuda-ipc its stream synchronized (the async copies
@@ -434,8 +436,10 @@ def run(model: str = DEFAULT_MODEL, layout: str | None = DEFAULT_LAYOUT, device:
         versions["transformers"] = metadata.version("transformers")
     except Exception:  # noqa: BLE001 - a fact for the record, never a reason to fail
         pass
+    from harness.bridge.backends import current
+
     result.update(transports=measured, not_measured=request["not_measured"], machine=copy["machine"],
-                  versions=versions)
+                  versions=versions, bridge=current())
     return result
 
 

@@ -138,6 +138,13 @@ behaviour it replaces and why:
    MLASelfAttention tests isinstance against TE's placeholder), so DeepSeek-V3 builds without TE; and,
    under TP, each chunk's kv down projection gathered with the rope key's gradient summed over TP
    (`MLA_ROPE_KEY_GRAD`: stock, tp2-sp trained with a 3.4% grad-norm error).
+18. The export walk (mbridge 0.15.1, speed): stock `export_weights` exchanges each tensor's name and spec
+   over the pipeline group with two `all_gather_object` and one `broadcast_object_list` per tensor, even
+   at pp 1: 0.22-0.24 s of a 0.33 s weight update of qwen3-0.6b-shape into vLLM on an H100
+   (reports/gpu/2026-11-27-h100x4-sync-speed). We exchange every stage's (name, spec) list once per export
+   and then broadcast only the tensors (none at pp 1); each tensor then goes through stock's own EP/TP
+   gathers and `_weight_to_hf_format`, in stock's order. `stock_export_weights` keeps stock's walk, and
+   suites/bridge/test_export_walk.py holds the two equal, item for item and bit for bit.
 """
 from __future__ import annotations
 
@@ -344,6 +351,58 @@ class HarnessBridgeMixin:
                                       f"{self.mpu.etp_size} at tp 1 and ep 1 is not supported with mbridge")
         return super()._weight_merge_across_tp(mcore_weights_name, shards, param)
 
+    def export_weights(self, models: list[torch.nn.Module]):
+        """Override 18: stock's walk, with the pipeline stages' names exchanged once per export."""
+        from mbridge.core.util import unwrap_model
+
+        models = [unwrap_model(model) for model in models]
+        local = _local_weights(models)  # (chunk, local name, tensor), stock's order
+        maps = [self._weight_name_mapping_mcore_local_to_global(model, consider_ep=False) for model in models]
+        mine = [(self.mpu.pp_rank, maps[chunk][name], _tensor_spec(tensor)) for chunk, name, tensor in local]
+        entries = mine
+        if self.mpu.pp_size > 1:
+            per_stage: list[Any] = [None] * self.mpu.pp_size
+            torch.distributed.all_gather_object(per_stage, mine, group=self.mpu.pp_group)
+            entries = [entry for stage in per_stage for entry in stage]
+        own = iter(local)
+        for stage, name, spec in entries:
+            tensor = next(own)[2] if stage == self.mpu.pp_rank else _empty_from_spec(spec)
+            if self.mpu.pp_size > 1:
+                source = torch.distributed.get_global_rank(self.mpu.pp_group, stage)
+                torch.distributed.broadcast(tensor, src=source, group=self.mpu.pp_group)
+            yield from self._harness_export_one(name, tensor)
+
+    def stock_export_weights(self, models: list[torch.nn.Module]):
+        """mbridge's own walk (override 18 keeps it for the equality test)."""
+        return super().export_weights(models)
+
+    def _harness_export_one(self, name: str, param: torch.Tensor):
+        """Stock export_weights' body for one tensor whole on this stage (mbridge 0.15.1, unchanged):
+        experts gathered over EP (and ETP), TP shards merged, then converted to HF's names."""
+        if ".mlp.experts.linear_fc" in name and self.mpu.ep_size > 1:
+            num_experts_per_rank = self.config.num_moe_experts // self.mpu.ep_size
+            gathered = [torch.empty_like(param) for _ in range(self.mpu.ep_size)]
+            torch.distributed.all_gather(gathered, param, group=self.mpu.ep_group)
+            prefix, local_expert = name.split(".weight")
+            for ep_rank, expert_param in enumerate(gathered):
+                expert_name = f"{prefix}.weight{num_experts_per_rank * ep_rank + int(local_expert)}"
+                if self.mpu.etp_size > 1:
+                    shards = [torch.empty_like(expert_param) for _ in range(self.mpu.etp_size)]
+                    torch.distributed.all_gather(shards, expert_param, group=self.mpu.etp_group)
+                else:
+                    shards = [expert_param]
+                merged = self._weight_merge_across_tp(expert_name, shards, param)
+                yield from zip(*self._weight_to_hf_format(expert_name, merged))
+            return
+        if getattr(param, "tensor_model_parallel", False):
+            if self.mpu.tp_size <= 1:
+                shards = [param]
+            else:
+                shards = [torch.empty_like(param) for _ in range(self.mpu.tp_size)]
+                torch.distributed.all_gather(shards, param, group=self.mpu.tp_group)
+            param = self._weight_merge_across_tp(name, shards, param)
+        yield from zip(*self._weight_to_hf_format(name, param))
+
     def _get_gptmodel_args(self) -> dict:
         rope = rope_settings(self.hf_config)  # override 4
         args = dict(
@@ -403,6 +462,38 @@ class HarnessBridgeMixin:
 
             spec = use_mla_local_core_attention(spec)
         return spec
+
+
+def _local_weights(models: list[torch.nn.Module]) -> list[tuple[int, str, torch.Tensor]]:
+    """(chunk, local name, tensor) in stock export_weights' order: each chunk's parameters, then its
+    `expert_bias` buffers (a state-dict entry, not a parameter), moved to the current device as stock does."""
+    weights = []
+    for chunk, model in enumerate(models):
+        names = set()
+        for name, param in model.named_parameters():
+            names.add(name)
+            weights.append((chunk, name, param))
+        state = model.state_dict()
+        for name in state:
+            if "_extra_state" not in name and "expert_bias" in name and name not in names:
+                weights.append((chunk, name, state[name].to(torch.cuda.current_device())))
+    return weights
+
+
+def _tensor_spec(tensor: torch.Tensor) -> tuple:
+    return (tuple(tensor.shape), tensor.dtype, getattr(tensor, "tensor_model_parallel", None),
+            getattr(tensor, "partition_dim", None))
+
+
+def _empty_from_spec(spec: tuple) -> torch.Tensor:
+    """A receive buffer carrying the owner's tensor-parallel attributes, as stock's broadcast makes it."""
+    shape, dtype, tensor_parallel, partition_dim = spec
+    tensor = torch.empty(shape, dtype=dtype, device=torch.cuda.current_device())
+    if tensor_parallel is not None:
+        tensor.tensor_model_parallel = tensor_parallel
+    if partition_dim is not None:
+        tensor.partition_dim = partition_dim
+    return tensor
 
 
 def llama3_inv_freq(rotary: torch.nn.Module, rope: RopeSettings,

@@ -20,6 +20,12 @@ def _tp():
     return ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
 
 
+def _tp_size() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_world_size()
+
+
 def mask_vocab_padding(logits: torch.Tensor, true_vocab: int) -> torch.Tensor:
     """float32 logits with this rank's padded vocabulary columns masked out."""
     _, rank = _tp()
@@ -34,11 +40,19 @@ def mask_vocab_padding(logits: torch.Tensor, true_vocab: int) -> torch.Tensor:
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, true_vocab: int) -> torch.Tensor:
     """log p(target) for vocab-parallel `logits` [..., V/TP] and `targets` [...] (differentiable).
 
-    Megatron's own vocab-parallel cross entropy does the cross-rank reductions and the autograd.
+    Megatron's own vocab-parallel cross entropy does the cross-rank reductions and the autograd. With
+    megatron-core's batch-invariant kernels on, at tp 1: `log_softmax`, which they replace by a kernel of
+    a fixed reduction order. The cross entropy's max and sum are plain torch reductions, whose CUDA order
+    follows the row count (suspected of the one-ulp residue at 4 rows, 4x H100 run
+    reports/gpu/2026-11-27-h100x4-vllm).
     """
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
+    from harness.backends import batch_invariant
+
     masked = mask_vocab_padding(logits, true_vocab)
+    if batch_invariant.active() and _tp_size() == 1:
+        return torch.log_softmax(masked, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     if masked.data_ptr() == logits.data_ptr():
         # Megatron's forward subtracts the max from its input in place: never hand it the caller's
         # logits (a later top-1 over them would compare shifted values across TP ranks).

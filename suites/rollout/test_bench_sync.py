@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from harness.bridge.backends import current
 from harness.cli import main as mrh
 
 FIELDS = {"model", "layout", "device", "world_size", "dtype", "engine", "bucket_bytes", "repeats", "bytes", "copy",
@@ -56,7 +57,7 @@ def test_cpu_run_prints_one_json_line_of_the_models_bytes(tmp_path, capsys):
     assert host["of_copy"] == pytest.approx(host["gbps"] / result["copy_gbps"], rel=1e-2)
     assert host["placement"] == "colocated" and "copy_peer" not in result
     assert "the hf engine takes buckets through the host only" in result["not_measured"]["broadcast"]
-    assert result["machine"]["device_name"] and result["versions"]["torch"]
+    assert result["machine"]["device_name"] and result["versions"]["torch"] and result["bridge"] == current()
     assert "transport" in stderr and "of copy" in stderr and "separate placement not measured" in stderr
     # the split: each part >= 0, the export's parts add up to it, the HF engine has no load path
     assert len(host["updates"]) == 1 and host["load_path"] is None and result["load_path_asked"] is None

@@ -169,11 +169,11 @@ def test_megatron_batch_invariant_kernels_are_on_for_a_call_only():
         return
     assert not module.is_batch_invariant_mode_enabled()
     with batch_invariant.batch_invariance(True):
-        assert module.is_batch_invariant_mode_enabled() and batch_invariant.state()["batch_invariant"]
+        assert module.is_batch_invariant_mode_enabled() and batch_invariant.active()
         with batch_invariant.batch_invariance(True):
             pass
         assert module.is_batch_invariant_mode_enabled()
-    assert not module.is_batch_invariant_mode_enabled()
+    assert not module.is_batch_invariant_mode_enabled() and not batch_invariant.active()
     with batch_invariant.batch_invariance(False):
         assert not module.is_batch_invariant_mode_enabled()
 
@@ -245,7 +245,8 @@ def test_vllm_logprobs_of_a_sequence_do_not_depend_on_its_batch(request, device,
 def test_megatron_logprobs_of_a_sequence_do_not_depend_on_its_batch(policy, device, layout, spec, batch_invariant,
                                                                    model, report):
     """The same on the trainer: the target row alone, then first in batches of 4 and 8 rows (right
-    padded when ragged): bit-identical logprobs with megatron-core's batch-invariant kernels on."""
+    padded when ragged): bit-identical logprobs with megatron-core's batch-invariant kernels on (and the
+    logprob itself through their log_softmax at tp 1: harness.logprobs.vocab_parallel)."""
     from harness.data.rl_batch import RLBatch
 
     p = policy(layout, model, dtype="bf16", batch_invariant=batch_invariant)
@@ -267,7 +268,8 @@ def test_megatron_logprobs_of_a_sequence_do_not_depend_on_its_batch(policy, devi
         lp = logprobs([target] + _others(n - 1, ragged, len(target), seed=n))
         same = torch.equal(lp, alone)
         _record_invariance(report, "megatron", batch_invariant, n, ragged, same, float((lp - alone).abs().max()),
-                           layout, "bf16", model)
+                           layout, "bf16", model, spec=spec,
+                           logprob_kernel="log_softmax" if batch_invariant else "vocab_parallel_cross_entropy")
         results.append(same)
     if batch_invariant:
         assert all(results), f"Megatron's batch-invariant kernels ({spec} spec): the row's logprobs changed ({results})"
