@@ -160,23 +160,33 @@ def _prefix(bucket, count: int):
 
 def _ensure_group(policy, engine) -> None:
     """The broadcast transport's group of rank 0 and the engine's process: made once and kept by both
-    (a new policy or a restarted engine makes a new one)."""
-    import socket
-
+    (a new policy or a restarted engine makes a new one). Rank 0 binds the group's TCPStore to a port
+    the OS picks and names it: a port probed free and bound later was taken in between on a busy host
+    (EADDRINUSE at tp2, stack B, 4x H100, reports/gpu/2026-11-27-h100x4-sync-walk)."""
     key = engine.group_key
     if key is not None and policy.apply(_group_key)[0] == key:
         return
-    with socket.socket() as probe:  # a free port on this host for the group's TCPStore
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = policy.apply(_serve_group_store, "127.0.0.1")[0]
     engine.join_group("127.0.0.1", port)  # the engine connects in the background ...
-    policy.apply(_join_group, "127.0.0.1", port)  # ... while rank 0 serves the store and joins
+    policy.apply(_join_group, "127.0.0.1", port)  # ... while rank 0 joins on the store it serves
     engine.group_joined()
 
 
 def _group_key(worker) -> str | None:
     group = getattr(worker, "sync_group", None)
     return group[0] if group else None
+
+
+def _serve_group_store(worker, host: str) -> int | None:
+    """Rank 0: the group's TCPStore, listening on a port of the OS's choice (returned); None elsewhere."""
+    import torch.distributed as dist
+
+    from harness.rollout.transfer import serve_store
+
+    if dist.get_rank() != 0:
+        return None
+    worker.sync_store = serve_store(host)
+    return worker.sync_store.port
 
 
 def _join_group(worker, host: str, port: int) -> None:
@@ -187,7 +197,8 @@ def _join_group(worker, host: str, port: int) -> None:
     if dist.get_rank() != 0:
         return
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    worker.sync_group = (f"{host}:{port}", open_group(host, port, 0, device))
+    store, worker.sync_store = worker.sync_store, None
+    worker.sync_group = (f"{host}:{port}", open_group(host, port, 0, device, store=store))
 
 
 # ------------------------------------------------------------------------------ rank side

@@ -172,14 +172,26 @@ def open_shared(bucket: SharedBucket) -> tuple[torch.Tensor, list[tuple[str, tor
 
 
 # ------------------------------------------------------------------------------------- broadcast
-def open_group(host: str, port: int, rank: int, device: torch.device, timeout_s: float = 300.0):
-    """The two-member group of rank 0 (rank 0, holding the TCPStore) and the engine (rank 1): NCCL
-    when `device` is CUDA, gloo on CPU. Both sides call it at once; it returns once a first broadcast
-    went through (so later broadcasts never wait on a peer joining)."""
+def serve_store(host: str, timeout_s: float = 300.0):
+    """Rank 0's TCPStore for a weight-sync group, on a port the OS picks (`.port`): bound at once, so
+    no other process can take the port between its choice and its use."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, 0, 2, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def open_group(host: str, port: int, rank: int, device: torch.device, timeout_s: float = 300.0, store=None):
+    """The two-member group of rank 0 (rank 0, holding the TCPStore: `store`, from `serve_store`) and
+    the engine (rank 1, connecting to `host:port`): NCCL when `device` is CUDA, gloo on CPU. Both sides
+    call it at once; it returns once a first broadcast went through (so later broadcasts never wait on a
+    peer joining)."""
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, 2, is_master=rank == 0, timeout=timeout, wait_for_workers=True)
+    if (store is None) != (rank != 0):
+        raise ValueError("open_group: rank 0 passes the store it serves (serve_store), the engine none")
+    if store is None:
+        store = dist.TCPStore(host, port, 2, is_master=False, timeout=timeout)
     prefixed = dist.PrefixStore(GROUP_PREFIX, store)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()

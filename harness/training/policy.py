@@ -64,6 +64,9 @@ class PolicyConfig:
     # megatron-core's batch-invariant kernels on for every forward and step (CUDA only; what they cover:
     # harness.backends.batch_invariant; the exact tier of issue 35)
     batch_invariant: bool = False
+    # Megatron's RMSNorm rounding ("auto": "hf" on the local spec, "fused" on TE; "fused" on the local spec
+    # rounds once after the weight, as TE's norms and vLLM's batch-invariant RMSNorm do: harness.bridge.norms)
+    norm_precision: str = "auto"
 
 
 # The training variants of the catalog (harness.variants) this worker implements.
@@ -136,6 +139,7 @@ class PolicyWorker:
         dtype = DTYPES[config.dtype]
         self.models = load_megatron_model(
             path, dtype=dtype, wrap_with_ddp=True, sequence_parallel=sequence_parallel,
+            norm_precision=config.norm_precision,
             config_overrides=dict(hidden_dropout=config.dropout, attention_dropout=config.dropout,
                                   **({"moe_enable_routing_replay": True} if config.routing_replay else {})),
             ddp_config=dict(grad_reduce_in_fp32=True, use_distributed_optimizer=True,

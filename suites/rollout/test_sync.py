@@ -91,3 +91,19 @@ def test_a_synced_engine_equals_the_trained_gemma3_policy(policy, device, layout
     assert {"model.layers.3.post_feedforward_layernorm.weight", "model.layers.0.pre_feedforward_layernorm.weight",
             "model.layers.2.post_attention_layernorm.weight", "model.layers.1.self_attn.k_norm.weight"} <= names
     assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+
+
+def test_the_broadcast_groups_store_holds_its_port_from_the_moment_it_is_named():
+    """The separate placement's group: rank 0's TCPStore binds a port of the OS's choosing before the
+    engine is told it, so no other process can take it in between (a port probed free and bound later was
+    taken on a 4x H100: EADDRINUSE, reports/gpu/2026-11-27-h100x4-sync-walk)."""
+    import errno
+    import socket
+
+    from harness.rollout.transfer import serve_store
+
+    store = serve_store("127.0.0.1", timeout_s=30)
+    assert store.port > 0
+    with socket.socket() as other, pytest.raises(OSError) as taken:
+        other.bind(("127.0.0.1", store.port))
+    assert taken.value.errno == errno.EADDRINUSE
