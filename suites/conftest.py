@@ -46,3 +46,44 @@ def other_stack_python(pytestconfig: pytest.Config) -> str:
         pytest.fail(f"--mrh-other-stack {python}: cannot import the harness and megatron-core there:\n"
                     f"{probe.stderr[-2000:]}", pytrace=False)
     return found
+
+
+class _BorrowedPool:
+    """The session's world pool lent to a command run in process: its `get` is the session pool's, with
+    the command's own `echo_output` (`mrh parity` and `mrh repro` keep rank output off their stdout)
+    while the command runs; its `close` gives that back and leaves the session's worlds open."""
+
+    def __init__(self, pool, echo_output: bool = True, **_world_kwargs):
+        self._pool, self._echo, self._lent = pool, echo_output, {}
+
+    @property
+    def spec(self) -> dict[str, str]:
+        return self._pool.spec
+
+    def get(self, *args, **kwargs):
+        world = self._pool.get(*args, **kwargs)
+        self._lent.setdefault(id(world), (world, world.echo_output))
+        world.echo_output = self._echo
+        return world
+
+    def close(self) -> None:
+        for world, echo in self._lent.values():
+            world.echo_output = echo
+        self._lent.clear()
+
+
+@pytest.fixture
+def cli_on_session_worlds(monkeypatch, world_pool):
+    """`mrh parity` and `mrh repro` run in this process on the session's worlds: their WorldPool is the
+    session's (what each would start is a world of the same size, device and spec). The command's own
+    code, output and exit code are what is checked; the console script's launch is test_preflight's
+    `test_mrh_parity_command_exits_2_with_one_line`, which runs the real `mrh` (a fresh world there cost
+    ~17 s a run on the CI machine)."""
+    import harness.launch
+    import harness.parity.cli
+
+    def borrowed(**world_kwargs):
+        return _BorrowedPool(world_pool, **world_kwargs)
+
+    monkeypatch.setattr(harness.parity.cli, "WorldPool", borrowed)
+    monkeypatch.setattr(harness.launch, "WorldPool", borrowed)  # harness.variants.cli imports it in main

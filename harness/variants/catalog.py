@@ -320,7 +320,8 @@ _ROTATION: tuple[Variant, ...] = (
             "the pre-save prune keeps keep-1 checkpoints, so keep=1 deletes the only one before "
             "the new one is written",
             "a crash during a save at keep=1 leaves no checkpoint (sync saves too)",
-            "crash during the shard writes at keep=1, sync: finalized_but_none_complete",
+            "crash during the shard writes at keep=1, sync: finalized_but_none_complete; the "
+            "fsync-order spy sees the old checkpoint trashed before the new one is committed",
             upstream="verl PR 4873 (max_ckpt_to_keep=1 deleted the only checkpoint first)",
             default_layout="dp2", options=(("async_save", False), ("keep", 1), ("crash", "shard-writes"))),
     Variant("async-tracker-never-written", "rotation", "upstream-bug",

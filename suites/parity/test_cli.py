@@ -1,9 +1,12 @@
 """`mrh parity` end to end: passes on the default model, exits 1 on a shipped wrong variant, and
 rejects bad input with one clear error before starting any rank.
 
-Each end-to-end run starts its own worlds (seconds each on 2 CPU cores): the passing run takes two
-layouts of one world size; CI's exit-1 run is the bf16 norm scale of issue 11 (swapped-gate-up, the
-fp32 control, runs nightly: its check at tp2 in fp32 is suites/sensitivity/test_variants.py's in CI)."""
+The passing run takes two layouts of one world size; CI's exit-1 run is the bf16 norm scale of issue 11
+(swapped-gate-up, the fp32 control, runs nightly: its check at tp2 in fp32 is
+suites/sensitivity/test_variants.py's in CI). In CI both run `mrh parity`'s main in process on the
+session's worlds (cli_on_session_worlds: the same command code, output and exit code, without a fresh
+world's ~17 s); the real console script runs in test_preflight's exit-2 case, and the nightly exit-1 run
+below launches `mrh` itself."""
 from __future__ import annotations
 
 import json
@@ -20,8 +23,18 @@ def _mrh(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*MRH, "parity", *args], capture_output=True, text=True, timeout=600)
 
 
-def test_parity_passes_for_the_default_model_and_prints_json_rows():
-    done = _mrh("--model", "tiny-qwen3", "--layouts", "tp2,pp2", "--device", "cpu", "--json")
+def _mrh_in_process(capsys, *args: str) -> subprocess.CompletedProcess:
+    """`mrh parity ARGS` through harness.cli.main in this process (its worlds: the session's)."""
+    from harness.cli import main
+
+    capsys.readouterr()  # what earlier output the capture holds is not the command's
+    code = main(["parity", *args])
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(["mrh", "parity", *args], code, captured.out, captured.err)
+
+
+def test_parity_passes_for_the_default_model_and_prints_json_rows(cli_on_session_worlds, capsys):
+    done = _mrh_in_process(capsys, "--model", "tiny-qwen3", "--layouts", "tp2,pp2", "--device", "cpu", "--json")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(done.stdout)
     assert {r["layout"] for r in rows} == {"tp2", "pp2"} and all(r["passed"] for r in rows)
@@ -36,9 +49,9 @@ def test_parity_exits_1_on_a_negative_control():
     assert "FAIL" in done.stdout
 
 
-def test_a_one_percent_norm_scale_fails_bf16_parity():
+def test_a_one_percent_norm_scale_fails_bf16_parity(cli_on_session_worlds, capsys):
     """Issue 11's report: this exited 0 when HF and Megatron rounded their norms differently."""
-    done = _mrh("--layouts", "tp2", "--dtype", "bf16", "--variant", "scaled-norm")
+    done = _mrh_in_process(capsys, "--layouts", "tp2", "--dtype", "bf16", "--variant", "scaled-norm")
     assert done.returncode == 1, done.stderr[-3000:]
     assert "exact" in done.stdout and "FAIL" in done.stdout
 
