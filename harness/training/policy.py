@@ -67,8 +67,13 @@ class PolicyConfig:
     # Megatron's RMSNorm rounding ("auto": "hf" on the local spec, "fused" on TE; "fused" on the local spec
     # rounds once after the weight, as TE's norms and vLLM's batch-invariant RMSNorm do: harness.bridge.norms)
     norm_precision: str = "auto"
+    # Megatron's unfused RoPE in bf16: "megatron" (each product and the sum rounded) or "once" (in fp32 from the
+    # rounded cos/sin, rounded once, as vLLM's kernel does; harness.compat.megatron_core.ROPE_ROUNDED_ONCE).
+    # The local spec only: TE's fused RoPE has its own rounding.
+    rope_rounding: str = "megatron"
 
 
+ROPE_ROUNDINGS = ("megatron", "once")
 # The training variants of the catalog (harness.variants) this worker implements.
 IMPLEMENTED = ("no-finalize-grads", "grad-times-microbatches", "grad-norm-without-experts",
                "expert-grads-over-dp", "cp-grads-summed-over-cp", "cp-metrics-summed")
@@ -125,6 +130,8 @@ class PolicyWorker:
             raise ValueError(f"unknown policy dtype {config.dtype!r}; choose from {sorted(DTYPES)}")
         if not 0.0 <= config.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {config.dropout!r}")
+        if config.rope_rounding not in ROPE_ROUNDINGS:
+            raise ValueError(f"rope_rounding must be one of {ROPE_ROUNDINGS}, got {config.rope_rounding!r}")
         if config.batch_invariant:
             from harness.backends.batch_invariant import check
             from harness.launch import context
@@ -174,6 +181,9 @@ class PolicyWorker:
             model_config.finalize_model_grads_func = _experts_reduced_over_dp(self.models, finalize_model_grads)
         no_sync = [m.no_sync for m in self.models]
         model_config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        if config.rope_rounding == "once" and getattr(model_config, "apply_rope_fusion", False):
+            raise ValueError("rope_rounding='once' rounds megatron-core's unfused RoPE (the local spec); this "
+                             "model applies a fused RoPE (apply_rope_fusion)")
         self.model_config = model_config
         self.ps = ps
 
@@ -182,7 +192,10 @@ class PolicyWorker:
         """The config's kernel choices for one call: deterministic algorithms, batch-invariant kernels."""
         from harness.backends.batch_invariant import batch_invariance
 
-        with _deterministic(self.config.deterministic), batch_invariance(self.config.batch_invariant):
+        from harness.compat.megatron_core import rope_rounded_once
+
+        with _deterministic(self.config.deterministic), batch_invariance(self.config.batch_invariant), \
+                rope_rounded_once(self.config.rope_rounding == "once"):
             yield
 
     @property
@@ -355,6 +368,7 @@ class PolicyWorker:
         """This rank's share of the current weights' logprobs of `batch` (the forward the parity
         suite checks; no dropout, nothing recorded for a backward), the logits divided by `temperature`."""
         from harness.backends.batch_invariant import batch_invariance
+        from harness.compat.megatron_core import rope_rounded_once
         from harness.logprobs.megatron import megatron_logprobs
 
         self.offloader.require("params", what="policy logprobs")
@@ -362,7 +376,8 @@ class PolicyWorker:
         for m in self.models:
             m.eval()
         try:
-            with batch_invariance(self.config.batch_invariant):  # the step's deterministic switch: steps only
+            # the step's deterministic switch: steps only
+            with batch_invariance(self.config.batch_invariant), rope_rounded_once(self.config.rope_rounding == "once"):
                 return megatron_logprobs(self.models, batch, micro_batches=micro_batches, temperature=temperature)
         finally:
             for m, mode in zip(self.models, training):

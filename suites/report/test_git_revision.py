@@ -107,6 +107,21 @@ def test_gpu_report_records_the_commit_in_json_and_markdown(no_git, monkeypatch,
         assert "- commit: `unknown`\n" in markdown
 
 
+def test_gpu_report_counts_no_test_for_an_interrupted_run(no_git):
+    """A run stopped by its time limit (SIGINT) leaves a nameless testcase in pytest's JUnit file: not a
+    test (it was counted as a passed "None::None" once); the report says the run was interrupted."""
+    junit = JUNIT.replace("</testsuite>", '<testcase time="0.0" /></testsuite>')
+    assert junit != JUNIT
+    (no_git / "run.junit.xml").write_text(junit)
+    (no_git / "run.log").write_text("!!! KeyboardInterrupt !!!\n")
+    _gpu_report().main(["--name", "run", "--junit", "run.junit.xml", "--log", "run.log", "--started", "now",
+                        "--command", "pytest suites -m gpu", "--out", str(no_git), "--wall-s", "2"])
+    report = json.loads((no_git / "run.json").read_text())
+    assert report["interrupted"] is True and all("None" not in t["test"] for t in report["tests"])
+    assert sum(report["counts"].values()) == len(report["tests"]) >= 1
+    assert "interrupted (SIGINT" in (no_git / "run.md").read_text()
+
+
 # ------------------------------------------------------------------------------ ci/device_run.sh
 def _device_run(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
     """ci/device_run.sh in a tree without .git, with a stub python3 that records the commit variables

