@@ -133,6 +133,10 @@ vllm:
 	$(VLLM_VENV)/bin/python -c 'import vllm, torch; print("vllm ok:", vllm.__version__, "torch", torch.__version__)' && \
 	echo "vllm install: $$(( $$(date +%s) - start )) s"
 
+# Stack B's slice as one command (`make test` runs it in its recipe, not through $(MAKE), which `make -n`
+# would run rather than print).
+TEST_B = $(BIN_B)/python -m pytest $(STACK_B_SLICE) --mrh-bridge=megatron-bridge --mrh-other-stack=$(BIN)/python \
+  --mrh-run-dir=$(RUN_DIR)-b $(PYTEST_ARGS)
 # The Ray slice and stack B's slice run beside stack A's pass (one after the other), their output in
 # $(RUN_DIR)-side.log, printed once stack A's pass is done: a fresh-clone CI that ran the three one after
 # another (34.3 min) kept the 2 cores busy 63% of its wall time (43.5 min of CPU), the rest being process
@@ -141,7 +145,7 @@ SIDE ?= 1
 test:
 	@rc=0; side_log=$(RUN_DIR)-side.log; mkdir -p $(dir $(RUN_DIR)); \
 	side() { side_rc=0; $(BIN)/python -m pytest $(RAY_SLICE) --mrh-launcher=ray --mrh-run-dir=$(RUN_DIR)-ray \
-	  $(PYTEST_ARGS) || side_rc=1; $(if $(STACK_B),$(MAKE) --no-print-directory test-b || side_rc=1;) return $$side_rc; }; \
+	  $(PYTEST_ARGS) || side_rc=1; $(if $(STACK_B),$(TEST_B) || side_rc=1;) return $$side_rc; }; \
 	if [ "$(SIDE)" = 1 ]; then echo "the Ray slice$(if $(STACK_B), and stack B's slice) run beside stack A's pass: $$side_log"; \
 	  side > $$side_log 2>&1 & side_pid=$$!; fi; \
 	$(BIN)/python -m pytest suites --mrh-run-dir=$(RUN_DIR) $(if $(STACK_B),--mrh-other-stack=$(BIN_B)/python) \
@@ -152,8 +156,7 @@ test:
 
 # Stack B's slice (megatron-core 0.19.2 + Megatron-Bridge 0.6.2), its report in $(RUN_DIR)-b.
 test-b:
-	$(BIN_B)/python -m pytest $(STACK_B_SLICE) --mrh-bridge=megatron-bridge --mrh-other-stack=$(BIN)/python \
-	  --mrh-run-dir=$(RUN_DIR)-b $(PYTEST_ARGS)
+	$(TEST_B)
 
 # The nightly matrix: every CPU test, nightly sweeps included, on both stacks (stack B runs even when
 # stack A failed; the target fails if either did). Run reports: $(RUN_DIR)-nightly-a, $(RUN_DIR)-nightly-b.
