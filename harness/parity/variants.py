@@ -325,13 +325,18 @@ def _transpose_down_proj(models) -> None:
         weight.copy_(weight.t().contiguous())
 
 
-# DeepSeek-V3 (issue 37): what a converter or a framework can leave out without an error.
-def _deepseek_moe_layers(models, what: str):
+def _family_moe_layers(models, what: str, model_type: str, needs: str):
+    """The MoE layers of a `model_type` model, or one error naming the variant and what it needs."""
     from harness.bridge import hf_config
 
-    if hf_config(models).model_type != "deepseek_v3":
-        raise VariantError(f"variant {what!r} needs a DeepSeek-V3 model")
+    if hf_config(models).model_type != model_type:
+        raise VariantError(f"variant {what!r} needs {needs}")
     return _moe_layers(models, what)
+
+
+# DeepSeek-V3 (issue 37): what a converter or a framework can leave out without an error.
+def _deepseek_moe_layers(models, what: str):
+    return _family_moe_layers(models, what, "deepseek_v3", "a DeepSeek-V3 model")
 
 
 @torch.no_grad()
@@ -434,11 +439,7 @@ FEEDING = frozenset({"cp-labels-rolled-after-split", "cp-chunks-contiguous"})
 # `_GLM4_MOE`). Prefixed `glm-`: the DeepSeek-V3 family shares the router's mechanisms; these are shown,
 # and named, on glm4_moe only.
 def _glm4_moe_layers(models, what: str):
-    from harness.bridge import hf_config
-
-    if hf_config(models).model_type != "glm4_moe":
-        raise VariantError(f"variant {what!r} needs a GLM-4.5-MoE model (model_type glm4_moe)")
-    return _moe_layers(models, what)
+    return _family_moe_layers(models, what, "glm4_moe", "a GLM-4.5-MoE model (model_type glm4_moe)")
 
 
 @torch.no_grad()

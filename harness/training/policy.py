@@ -189,13 +189,17 @@ class PolicyWorker:
 
     @contextmanager
     def _numerics(self) -> Iterator[None]:
-        """The config's kernel choices for one call: deterministic algorithms, batch-invariant kernels."""
-        from harness.backends.batch_invariant import batch_invariance
+        """The config's kernel choices for a step: deterministic algorithms, and the forward's (below)."""
+        with _deterministic(self.config.deterministic), self._forward_numerics():
+            yield
 
+    @contextmanager
+    def _forward_numerics(self) -> Iterator[None]:
+        """The config's kernel choices for any forward: batch-invariant kernels, the RoPE's rounding."""
+        from harness.backends.batch_invariant import batch_invariance
         from harness.compat.megatron_core import rope_rounded_once
 
-        with _deterministic(self.config.deterministic), batch_invariance(self.config.batch_invariant), \
-                rope_rounded_once(self.config.rope_rounding == "once"):
+        with batch_invariance(self.config.batch_invariant), rope_rounded_once(self.config.rope_rounding == "once"):
             yield
 
     @property
@@ -367,8 +371,6 @@ class PolicyWorker:
     def logprobs(self, batch, micro_batches: int = 1, temperature: float = 1.0):
         """This rank's share of the current weights' logprobs of `batch` (the forward the parity
         suite checks; no dropout, nothing recorded for a backward), the logits divided by `temperature`."""
-        from harness.backends.batch_invariant import batch_invariance
-        from harness.compat.megatron_core import rope_rounded_once
         from harness.logprobs.megatron import megatron_logprobs
 
         self.offloader.require("params", what="policy logprobs")
@@ -376,8 +378,7 @@ class PolicyWorker:
         for m in self.models:
             m.eval()
         try:
-            # the step's deterministic switch: steps only
-            with batch_invariance(self.config.batch_invariant), rope_rounded_once(self.config.rope_rounding == "once"):
+            with self._forward_numerics():  # the step's deterministic switch: steps only
                 return megatron_logprobs(self.models, batch, micro_batches=micro_batches, temperature=temperature)
         finally:
             for m, mode in zip(self.models, training):

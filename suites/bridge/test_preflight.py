@@ -202,6 +202,17 @@ def test_mrh_parity_command_exits_2_with_one_line(tmp_path):
 
 
 # ----------------------------------------------------------------------------- Qwen2-MoE (issue 37)
+def _assert_family_refuses(tmp_path, model: str, model_type: str, config, drop, message: str) -> None:
+    """A checkpoint of `model` with `config` changed and `drop` removed is one error naming `message`, or,
+    where this stack's bridge converts no `model_type`, naming the bridge (the refusal by name comes first)."""
+    path = local_checkpoint(tmp_path, model, config, None, drop)
+    if not bridge_converts(model):
+        message = f"model_type '{model_type}' is not supported by the {current()} bridge"
+    with pytest.raises(UnsupportedModelError) as error:
+        check_model_supported(path)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
 # What mbridge 0.15.1's Qwen2MoEBridge would build otherwise than HF (harness.bridge.preflight): it routes
 # with megatron-core's pre-softmax router (no renormalisation), makes every layer sparse and always builds
 # the shared expert and q/k/v biases. Megatron-Bridge 0.6.2 has no Qwen2-MoE bridge: there every one of
@@ -219,12 +230,7 @@ QWEN2_MOE_UNSUPPORTED = {
 
 @pytest.mark.parametrize("config, drop, message", _params(QWEN2_MOE_UNSUPPORTED))
 def test_qwen2_moe_unsupported_feature_is_one_error(tmp_path, config, drop, message):
-    path = local_checkpoint(tmp_path, "tiny-qwen2-moe", config, None, drop)
-    if not bridge_converts("tiny-qwen2-moe"):
-        message = f"model_type 'qwen2_moe' is not supported by the {current()} bridge"
-    with pytest.raises(UnsupportedModelError) as error:
-        check_model_supported(path)
-    assert message in str(error.value) and "\n" not in str(error.value)
+    _assert_family_refuses(tmp_path, "tiny-qwen2-moe", "qwen2_moe", config, drop, message)
 
 
 def test_qwen2_moe_is_refused_by_name_where_the_bridge_has_none(monkeypatch, capsys):
@@ -314,12 +320,7 @@ GPT_OSS_UNSUPPORTED = {
 
 @pytest.mark.parametrize("config, drop, message", _params(GPT_OSS_UNSUPPORTED))
 def test_gpt_oss_unsupported_feature_is_one_error(tmp_path, config, drop, message):
-    path = local_checkpoint(tmp_path, "tiny-gpt-oss", config, None, drop)
-    if not bridge_converts("tiny-gpt-oss"):
-        message = "model_type 'gpt_oss' is not supported by the mbridge bridge"
-    with pytest.raises(UnsupportedModelError) as error:
-        check_model_supported(path)
-    assert message in str(error.value) and "\n" not in str(error.value)
+    _assert_family_refuses(tmp_path, "tiny-gpt-oss", "gpt_oss", config, drop, message)
 
 
 def test_gemma3_is_refused_by_name_where_the_bridge_cannot_build_it(monkeypatch, capsys):
@@ -416,12 +417,7 @@ DEEPSEEK_V3_UNSUPPORTED = {
 
 @pytest.mark.parametrize("config, drop, message", _params(DEEPSEEK_V3_UNSUPPORTED))
 def test_deepseek_v3_unsupported_feature_is_one_error(tmp_path, config, drop, message):
-    path = local_checkpoint(tmp_path, "tiny-deepseek-v3", config, None, drop)
-    if not bridge_converts("tiny-deepseek-v3"):
-        message = f"model_type 'deepseek_v3' is not supported by the {current()} bridge"
-    with pytest.raises(UnsupportedModelError) as error:
-        check_model_supported(path)
-    assert message in str(error.value) and "\n" not in str(error.value)
+    _assert_family_refuses(tmp_path, "tiny-deepseek-v3", "deepseek_v3", config, drop, message)
 
 
 def test_deepseek_v3_without_the_low_rank_query_is_refused():

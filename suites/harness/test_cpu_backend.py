@@ -56,32 +56,33 @@ def test_megatron_rng_tracker_forks_on_cpu(world_pool):
     assert world_pool.get(2, "cpu").run(_rng_tracker_forks_cleanly) == [True, True]
 
 
-def test_patches_install_and_uninstall_cleanly():
-    """In a throwaway interpreter: install changes behaviour, uninstall restores every original."""
+def _ok_in_a_fresh_interpreter(code: str) -> None:
+    """Run `code` in a throwaway interpreter (the patches are process-wide); it must print "ok"."""
     import subprocess
     import sys
 
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_patches_install_and_uninstall_cleanly():
+    """In a throwaway interpreter: install changes behaviour, uninstall restores every original."""
     code = (
         "import torch; from harness.backends import cpu_patches as p; orig = torch.cuda.current_device; "
         "p.install(); assert torch.empty(1, device='cuda').device.type == 'cpu'; p.uninstall(); "
         "assert torch.cuda.current_device is orig and not p.is_installed(); "
         "assert torch.ones(1).type() == 'torch.FloatTensor'; print('ok')"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+    _ok_in_a_fresh_interpreter(code)
 
 
 def test_new_empty_takes_int_sizes_and_still_maps_a_cuda_device():
     """`t.new_empty(*sizes)` (HF's DeepSeek-V3 MLA) keeps its int sizes; `to(0)` and a 'cuda' device still
     land on the CPU (in a throwaway interpreter, as above)."""
-    import subprocess
-    import sys
-
     code = (
         "import torch; from harness.backends import cpu_patches as p; p.install(); t = torch.ones(1); "
         "assert t.new_empty(2, 1, 3).shape == (2, 1, 3); assert t.new_zeros(2, 3).shape == (2, 3); "
         "assert t.new_empty((2,), device='cuda').device.type == 'cpu'; assert t.to(0).device.type == 'cpu'; "
         "p.uninstall(); print('ok')"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+    _ok_in_a_fresh_interpreter(code)

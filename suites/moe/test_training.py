@@ -14,6 +14,12 @@ MODEL = "tiny-qwen3-moe"
 EXPERT_PARALLEL = ["dp2ep2", "tp2ep2etp1-sp"]
 
 
+def _check_family(policy, layout, report, model: str) -> None:
+    """A family's check where this stack's bridge converts it (skipped, saying why, where it does not)."""
+    skip_unless_converted(model)
+    _check(policy, layout, report, model=model)
+
+
 @pytest.mark.layouts(cpu=EXPERT_PARALLEL, cuda=["tp1"] + EXPERT_PARALLEL)
 def test_moe_policy_steps_match_ground_truth(policy, device, layout, report):
     _check(policy, layout, report, model=MODEL)
@@ -32,21 +38,15 @@ def test_moe_policy_steps_match_ground_truth_without_expert_parallelism(policy, 
 QWEN2_MOE = "tiny-qwen2-moe"
 
 
-def _qwen2_moe(policy, layout, report):
-
-    skip_unless_converted(QWEN2_MOE)
-    _check(policy, layout, report, model=QWEN2_MOE)
-
-
 @pytest.mark.layouts(cpu=["tp2ep2etp1-sp"], cuda=["tp1", "tp2ep2etp1-sp"])
 def test_qwen2_moe_policy_steps_match_ground_truth(policy, device, layout, report):
-    _qwen2_moe(policy, layout, report)
+    _check_family(policy, layout, report, QWEN2_MOE)
 
 
 @pytest.mark.nightly
 @pytest.mark.layouts(cpu=["tp1", "dp2ep2", "tp2-sp", "pp2"], cuda=["dp2ep2", "tp2-sp", "pp2"])
 def test_qwen2_moe_policy_steps_match_ground_truth_at_every_layout(policy, device, layout, report):
-    _qwen2_moe(policy, layout, report)
+    _check_family(policy, layout, report, QWEN2_MOE)
 
 
 # GLM-4.5-MoE (issue 37; stack A: the harness does not build Megatron-Bridge 0.6.2's GLM45Bridge): a dense
@@ -57,17 +57,11 @@ def test_qwen2_moe_policy_steps_match_ground_truth_at_every_layout(policy, devic
 GLM4_MOE = "tiny-glm4-moe"
 
 
-def _glm4_moe(policy, layout, report):
-
-    skip_unless_converted(GLM4_MOE)
-    _check(policy, layout, report, model=GLM4_MOE)
-
-
 @pytest.mark.nightly
 @pytest.mark.layouts(cpu=["tp1", "dp2ep2", "tp2-sp", "tp2ep2etp1-sp", "pp2"],
                      cuda=["tp1", "dp2ep2", "tp2-sp", "tp2ep2etp1-sp", "pp2"])
 def test_glm4_moe_policy_steps_match_ground_truth(policy, device, layout, report):
-    _glm4_moe(policy, layout, report)
+    _check_family(policy, layout, report, GLM4_MOE)
 
 
 def test_expert_grads_over_dp_is_refused_where_the_two_groups_are_one():
@@ -133,21 +127,15 @@ def test_moe_policy_steps_match_ground_truth_at_ep1_with_etp_below_tp(policy, de
 GPT_OSS = "tiny-gpt-oss"
 
 
-def _gpt_oss(policy, layout, report):
-
-    skip_unless_converted(GPT_OSS)
-    _check(policy, layout, report, model=GPT_OSS)
-
-
 @pytest.mark.layouts(cpu=["tp2ep2etp1-sp"], cuda=["tp1", "tp2ep2etp1-sp"])
 def test_gpt_oss_policy_steps_match_ground_truth(policy, device, layout, report):
-    _gpt_oss(policy, layout, report)
+    _check_family(policy, layout, report, GPT_OSS)
 
 
 @pytest.mark.nightly
 @pytest.mark.layouts(cpu=["tp1", "dp2ep2", "tp2etp1-sp", "pp2"], cuda=["dp2ep2", "tp2etp1-sp", "pp2"])
 def test_gpt_oss_policy_steps_match_ground_truth_at_every_layout(policy, device, layout, report):
-    _gpt_oss(policy, layout, report)
+    _check_family(policy, layout, report, GPT_OSS)
 
 
 # DeepSeek-V3 (stack A only): MLA, the dense first layer, the sigmoid router (its expert bias fixed:
@@ -164,5 +152,4 @@ DEEPSEEK_V3 = "tiny-deepseek-v3"
 @pytest.mark.layouts(cpu=["tp1", "dp2ep2", "tp2-sp", "pp2"], cuda=["tp1", "dp2ep2", "tp2-sp", "pp2"])
 def test_deepseek_v3_policy_steps_match_ground_truth(policy, device, layout, report):
 
-    skip_unless_converted(DEEPSEEK_V3)
-    _check(policy, layout, report, model=DEEPSEEK_V3)
+    _check_family(policy, layout, report, DEEPSEEK_V3)
