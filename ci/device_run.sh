@@ -60,6 +60,8 @@ if [ -f /tmp/vllm_site/vllm_env.sh ]; then
   export MRH_VLLM_PYTHON=$(command -v python3) MRH_VLLM_PATH=/tmp/vllm_site
   export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0
 fi
+# MRH_SETUP_ONLY=1: install (and build) only, so that concurrent runs (ci/gpu_batch.sh) find it done.
+[ -n "${MRH_SETUP_ONLY:-}" ] && exit 0
 start=$(date -u +%FT%TZ); t0=$(date +%s)
 # RUN_TIMEOUT: stop with SIGINT, so pytest still writes its JUnit file and summary.
 timeout -s INT "${RUN_TIMEOUT:-3600}" python3 -m pytest "$@" -ra -p no:cacheprovider \

@@ -38,6 +38,17 @@ def _true_vocab(models: list[torch.nn.Module]) -> int:
     return bridge_info(models).vocab_size
 
 
+def logprob_micro_batches(local: RLBatch, micro_batches: int, packing: str = "right", length_multiple: int = 1):
+    """This data-parallel rank's rows `local` as the logprob pass feeds them in the current layout:
+    sequence parallelism shards the sequence over TP ranks (lengths divide by TP), context parallelism
+    splits every sequence (every thd slot) into 2 x cp chunks."""
+    from megatron.core import parallel_state as ps
+
+    tp, cp = ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size()
+    multiple = math.lcm(tp, cp_length_multiple(cp, tp, True), length_multiple)
+    return split_micro_batches(local, micro_batches, packing, multiple, slot_multiple=slot_multiple(cp))
+
+
 def megatron_logprobs(
     models: list[torch.nn.Module],
     batch: RLBatch,
@@ -82,11 +93,7 @@ def megatron_logprobs(
     if cp > 1 and packing not in CP_PACKINGS:
         raise ValueError(f"packing {packing!r} under context parallelism: CP runs {CP_PACKINGS} (Transformer "
                          "Engine's attention splits causal or THD sequences, not an arbitrary mask)")
-    # Sequence parallelism shards the sequence over TP ranks: lengths must divide by TP; context
-    # parallelism splits every sequence (every thd slot) into 2 x cp chunks.
-    tp = ps.get_tensor_model_parallel_world_size()
-    multiple = math.lcm(tp, cp_length_multiple(cp, tp, True), length_multiple)
-    micros = split_micro_batches(local, micro_batches, packing, multiple, slot_multiple=slot_multiple(cp))
+    micros = logprob_micro_batches(local, micro_batches, packing, length_multiple)
     true_vocab = _true_vocab(models)
     logprob_parts: dict[int, torch.Tensor] = {}
     top1_parts: dict[int, torch.Tensor] = {}

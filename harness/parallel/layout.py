@@ -211,9 +211,18 @@ class Layout:
             "pipeline_model_parallel_size": self.pp,
             "virtual_pipeline_model_parallel_size": self.vpp,
             "context_parallel_size": self.cp,
+            "hierarchical_context_parallel_sizes": self.hierarchical_cp_sizes,
             "expert_model_parallel_size": self.ep,
             "expert_tensor_parallel_size": self.etp,
         }
+
+    @property
+    def hierarchical_cp_sizes(self) -> Optional[list[int]]:
+        """The CP group split in two levels, [2, cp // 2] (inner all-to-all, outer ring), where cp
+        splits so: what megatron-core's `cp_comm_type="a2a+p2p"` runs over (its
+        `hierarchical_context_parallel_sizes`). Made for every such layout, so one layout's groups
+        serve every exchange; None below cp 4 (one level: no hierarchy)."""
+        return [2, self.cp // 2] if self.cp >= 4 and self.cp % 2 == 0 else None
 
     def config_kwargs(self) -> dict[str, Any]:
         """Fields for megatron.core.ModelParallelConfig / TransformerConfig."""

@@ -47,7 +47,7 @@ def _restore(module: types.ModuleType, state: dict[str, Any]) -> None:
 
 def _layout_key(layout: Layout) -> tuple:
     # Sequence parallelism is a model setting: it does not change the groups.
-    return tuple(sorted(layout.megatron_kwargs().items()))
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in layout.megatron_kwargs().items()))
 
 
 @contextmanager

@@ -13,7 +13,7 @@ from harness.bridge import specs
 from harness.bridge.norms import resolve_norm_precision
 from harness.launch import WorldPool
 from harness.parallel.layout import LayoutError, check_backend, parse_layout_list, resolve, sliding_window, validate
-from harness.parity.runner import DTYPES, REFERENCES, ParityCase, prepare_model, run_parity
+from harness.parity.runner import CP_COMM_TYPES, DTYPES, REFERENCES, ParityCase, prepare_model, run_parity
 from harness.parity.variants import check_variant
 from harness.variants import VariantError, get
 
@@ -35,8 +35,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--packing", choices=("right", "thd"), default="right",
                         help="how a micro-batch is fed: left padding removed ('right', default) or packed THD "
                              "sequences with cu_seqlens (TE spec)")
-    parser.add_argument("--cp-comm-type", choices=("p2p", "a2a", "all_gather"), default=None,
-                        help="context parallelism's exchange (megatron-core's cp_comm_type; default p2p); cp layouts only")
+    parser.add_argument("--cp-comm-type", choices=CP_COMM_TYPES, default=None,
+                        help="context parallelism's exchange (megatron-core's cp_comm_type; default p2p; a2a+p2p at cp >= 4); cp layouts only")
     parser.add_argument("--cache-dir", default=None, help="where zoo models are materialized")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per layout before stacks are dumped")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")

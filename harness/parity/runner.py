@@ -63,7 +63,8 @@ class ParityCase:
 
 
 REFERENCES = ("arranged", "plain")
-# megatron-core's TransformerConfig.cp_comm_type values ("a2a+p2p" needs cp >= 4: hierarchical groups).
+# megatron-core's TransformerConfig.cp_comm_type values ("a2a+p2p" needs cp >= 4: the layout's
+# hierarchical CP groups, Layout.hierarchical_cp_sizes).
 CP_COMM_TYPES = ("p2p", "a2a", "all_gather", "a2a+p2p")
 
 
@@ -270,10 +271,11 @@ def run_parity(world, case: ParityCase, *, device: str | None = None, batch: RLB
     if case.cp_comm_type is not None:
         if layout.cp == 1:
             raise ValueError(f"cp_comm_type {case.cp_comm_type!r} needs a context-parallel layout, got {layout.name}")
-        if case.cp_comm_type not in CP_COMM_TYPES[:3]:
-            raise ValueError(f"cp_comm_type must be one of {CP_COMM_TYPES[:3]}, got {case.cp_comm_type!r}"
-                             + (" (a2a+p2p needs hierarchical CP groups, which the harness's layouts do not make)"
-                                if case.cp_comm_type == "a2a+p2p" else ""))
+        if case.cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"cp_comm_type must be one of {CP_COMM_TYPES}, got {case.cp_comm_type!r}")
+        if case.cp_comm_type == "a2a+p2p" and layout.hierarchical_cp_sizes is None:
+            raise ValueError(f"cp_comm_type 'a2a+p2p' at {layout.name}: the hierarchical exchange needs cp >= 4 "
+                             "(all-to-all inside pairs of CP ranks, a ring between them)")
     from harness.bridge.preflight import num_experts
 
     if case.dispatcher is not None and not num_experts(config):

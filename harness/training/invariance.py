@@ -59,6 +59,26 @@ def ground_truth(model: str = MODEL):
     return [tb] * STEPS, results, checkpoint_state_dict(hf)  # the names the policy exports
 
 
+@functools.lru_cache(maxsize=4)
+def ground_truth_routes(model: str, step: int) -> torch.Tensor:
+    """[B, S, L, K]: the experts the ground truth's routers pick for the batch of step `step` (0-based)
+    at the weights the steps before it left (PAD at pads), e.g. the routes of its second step's forward."""
+    from harness.logprobs import hf_logprobs
+    from harness.models import build_hf_model
+    from harness.rollout.routing import RoutingRecorder
+    from harness.training.ground_truth import GroundTruthTrainer
+
+    batches, _, _ = ground_truth(model)
+    hf = build_hf_model(model, dtype=torch.float32, seed=0)
+    trainer = GroundTruthTrainer(hf, **OPTIM, **LOSS)
+    for tb in batches[:step]:
+        trainer.step(tb, micro_batches=2)
+    batch = batches[step].batch
+    with torch.no_grad(), RoutingRecorder(hf) as recorder:
+        hf_logprobs(hf, batch)
+    return recorder.routes(batch.batch_size, batch.attention_mask.bool())
+
+
 @dataclass
 class InvarianceResult:
     layout: str

@@ -72,11 +72,14 @@ def fed_routes(micro, routes: torch.Tensor) -> torch.Tensor:
     return out.view(b, s, layers, k)
 
 
-def _router_tokens(fed: torch.Tensor, layer: int, sequence_parallel: bool) -> torch.Tensor:
-    """[tokens, K] of `layer` in the order the router flattens its input [s, b, h], this TP rank's
-    sequence slice under sequence parallelism."""
+def _router_tokens(fed: torch.Tensor, layer: int, sequence_parallel: bool,
+                   positions: torch.Tensor | None = None) -> torch.Tensor:
+    """[tokens, K] of `layer` in the order the router flattens its input [s, b, h]: this CP rank's
+    `positions` of the sequence (None: all), this TP rank's slice of them under sequence parallelism."""
     from megatron.core import parallel_state as ps
 
+    if positions is not None:
+        fed = fed[:, positions]
     tokens = fed[:, :, layer].transpose(0, 1)  # [s, b, K]
     if sequence_parallel:
         tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
@@ -122,7 +125,7 @@ def routing_session(models, micros, routes: torch.Tensor | None, variant: str | 
                                    "(megatron-core's moe_enable_routing_replay)")
             layer = router.local if variant == "replay-local-layer-index" else router.layer
             sp = bool(router.module.config.sequence_parallel)
-            queue = [_router_tokens(f, layer, sp) for f in fed]
+            queue = [_router_tokens(f, layer, sp, _cp_positions(m)) for m, f in zip(micros, fed)]
             hooks.append(router.module.register_forward_pre_hook(_next_target(router, queue)))
             replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
             if variant == "replay-from-zeroed-probs":
@@ -137,6 +140,34 @@ def routing_session(models, micros, routes: torch.Tensor | None, variant: str | 
                 replay.clear_indices()
                 replay.clear_router_replay_action()
                 replay.__dict__.pop("get_replay_topk", None)
+
+
+def _cp_positions(micro) -> torch.Tensor | None:
+    """The columns of `micro` this CP rank feeds (None without context parallelism): its routers see
+    those tokens only (harness.logprobs.context_parallel)."""
+    from harness.logprobs.context_parallel import cp_group
+
+    cp, rank, _ = cp_group()
+    return micro.cp_positions(cp, rank) if cp > 1 else None
+
+
+def _cp_gathered(tokens: torch.Tensor, micro, device) -> torch.Tensor:
+    """[b, s_local, K] routes of this CP rank's columns -> [b, s, K] of the whole micro-batch, from
+    every CP rank's (collective over the CP group; each rank holds the same after)."""
+    import torch.distributed as dist
+
+    from harness.logprobs.context_parallel import cp_group
+
+    cp, _, group = cp_group()
+    if cp == 1:
+        return tokens
+    parts = [torch.empty_like(tokens, device=device) for _ in range(cp)]
+    dist.all_gather(parts, tokens.to(device).contiguous(), group=group)
+    b, s = micro.tokens.shape
+    whole = torch.full((b, s, tokens.shape[-1]), PAD, dtype=tokens.dtype)
+    for rank, part in enumerate(parts):
+        whole[:, micro.cp_positions(cp, rank)] = part.cpu()
+    return whole
 
 
 def _next_target(router: _Router, queue: list[torch.Tensor]):
@@ -166,7 +197,8 @@ def _capture(router: _Router):
 def captured_rows(found: list[_Router], micros, what: str = "captured") -> dict[int, torch.Tensor]:
     """What each router routed to ("captured"; "own": what it would have picked by itself), in this
     data-parallel rank's rows' layout: global layer -> [B_local, S, K] (PAD at pads). Collective over
-    the tensor-parallel group under sequence parallelism (each TP rank routed a slice)."""
+    the tensor-parallel group under sequence parallelism (each TP rank routed a slice) and over the
+    context-parallel group under CP (each CP rank routed its chunks)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -186,7 +218,7 @@ def captured_rows(found: list[_Router], micros, what: str = "captured") -> dict[
                 device_slices = [x.to(router.module.weight.device) for x in slices]
                 dist.all_gather(device_slices, tokens.to(router.module.weight.device), group=group)
                 tokens = torch.cat([x.cpu() for x in device_slices])
-            fed = tokens.view(s, b, k).transpose(0, 1)  # [b, s, K]
+            fed = _cp_gathered(tokens.view(-1, b, k).transpose(0, 1), micro, router.module.weight.device)  # [b, s, K]
             rows = [micro.unmap(fed[..., j].double() + 1).long() - 1 for j in range(k)]  # pads: 0 -> PAD
             parts.append(torch.stack(rows, dim=-1))
         out[router.layer] = torch.cat(parts)
@@ -224,10 +256,10 @@ def replay_logprobs(worker, batch, routes: torch.Tensor | None, micro_batches: i
     and what they routed to. The micro-batches are made as `megatron_logprobs` makes them."""
     from megatron.core import parallel_state as ps
 
-    from harness.logprobs.micro_batches import split_micro_batches
+    from harness.logprobs.megatron import logprob_micro_batches
 
     local = batch.split(ps.get_data_parallel_world_size())[ps.get_data_parallel_rank()]
-    micros = split_micro_batches(local, micro_batches, "right", ps.get_tensor_model_parallel_world_size())
+    micros = logprob_micro_batches(local, micro_batches)
     with routing_session(worker.models, micros, _local_rows(routes), variant) as found:
         logprobs = worker.logprobs(batch, micro_batches)
     return {"logprobs": logprobs, "routes": captured_rows(found, micros), "own": captured_rows(found, micros, "own"),
@@ -244,16 +276,16 @@ def _local_rows(routes: torch.Tensor | None) -> torch.Tensor | None:
 
 def _coordinates(ps) -> dict[str, int]:
     return {"dp_rank": ps.get_data_parallel_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),
-            "pp_rank": ps.get_pipeline_model_parallel_rank()}
+            "pp_rank": ps.get_pipeline_model_parallel_rank(), "cp_rank": ps.get_context_parallel_rank()}
 
 
 # ----------------------------------------------------------------------------- parent side
 def assemble_routes(results: list[dict[str, Any]], key: str = "routes") -> torch.Tensor:
     """The global batch's [B, S, L, K] from every rank's `key` (rows by data-parallel rank, layers
-    from every pipeline stage; tensor-parallel ranks hold the same)."""
+    from every pipeline stage; tensor- and context-parallel ranks hold the same)."""
     by_dp: dict[int, dict[int, torch.Tensor]] = {}
     for r in results:
-        if r["tp_rank"] == 0:
+        if r["tp_rank"] == 0 and r.get("cp_rank", 0) == 0:
             by_dp.setdefault(r["dp_rank"], {}).update(r[key])
     layers = sorted(by_dp[0])
     if any(sorted(v) != layers for v in by_dp.values()) or layers != list(range(len(layers))):
@@ -263,8 +295,9 @@ def assemble_routes(results: list[dict[str, Any]], key: str = "routes") -> torch
 
 def full_router_grads(results: list[dict[str, Any]], data_parallel: int) -> dict[int, torch.Tensor]:
     """Each router's whole weight gradient: the ranks' pre-reduction grads summed over data-parallel
-    (and, under sequence parallelism, tensor-parallel) ranks, over the data-parallel size (DDP's
-    1 / dp pre-scaling, which the policy's loss scale undoes, is applied in the reduction)."""
+    (and context-parallel: each CP rank's covers its own chunks; under sequence parallelism,
+    tensor-parallel) ranks, over `data_parallel`, DDP's averaging size dp x cp (its 1 / (dp x cp)
+    pre-scaling, which the policy's loss scale undoes, is applied in the reduction)."""
     total: dict[int, torch.Tensor] = {}
     for r in results:
         if r["tp_rank"] != 0 and not r["sequence_parallel"]:
@@ -283,7 +316,7 @@ def train_with_routes(policy, train_batch, routes: torch.Tensor | None, variant:
 
     results = policy.apply(replay_step, train_batch, routes, variant)
     return {"stats": PolicyHandle._agreed([r["stats"] for r in results]), "routes": assemble_routes(results),
-            "own": assemble_routes(results, "own"), "grads": full_router_grads(results, policy.layout.dp)}
+            "own": assemble_routes(results, "own"), "grads": full_router_grads(results, policy.layout.dp * policy.layout.cp)}
 
 
 def logprobs_with_routes(policy, batch, routes: torch.Tensor | None, variant: str | None = None, *,

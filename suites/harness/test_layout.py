@@ -545,11 +545,18 @@ def test_megatron_kwargs_values() -> None:
         "pipeline_model_parallel_size": 4,
         "virtual_pipeline_model_parallel_size": 2,
         "context_parallel_size": 2,
+        "hierarchical_context_parallel_sizes": None,
         "expert_model_parallel_size": 2,
         "expert_tensor_parallel_size": None,
     }
     assert Layout(tp=2, ep=2, etp=1).megatron_kwargs()["expert_tensor_parallel_size"] == 1
     assert layout.config_kwargs() == {**layout.megatron_kwargs(), "sequence_parallel": True}
+
+
+def test_cp_of_4_and_more_gets_the_two_level_groups_of_the_hierarchical_exchange() -> None:
+    """megatron-core's a2a+p2p runs all-to-all inside pairs of CP ranks and a ring between the pairs."""
+    assert [Layout(cp=c).hierarchical_cp_sizes for c in (1, 2, 3, 4, 8)] == [None, None, None, [2, 2], [2, 4]]
+    assert Layout(cp=4, tp=2).megatron_kwargs()["hierarchical_context_parallel_sizes"] == [2, 2]
 
 
 def test_config_kwargs_are_model_parallel_config_fields() -> None:

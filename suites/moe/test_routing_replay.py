@@ -27,7 +27,7 @@ from harness.training.replay_check import MODEL, disagreement, replay_check
 
 
 @pytest.mark.nightly
-@pytest.mark.layouts(cpu=["tp1", "dp2ep2", "pp2", "pp2vpp2", "tp2ep2etp1-sp"], cuda=["tp1", "dp2ep2", "pp2"])
+@pytest.mark.layouts(cpu=["tp1", "dp2ep2", "pp2", "pp2vpp2", "tp2ep2etp1-sp", "cp2ep2"], cuda=["tp1", "dp2ep2", "pp2"])
 @pytest.mark.parametrize("engine", ENGINES)
 def test_replay_routes_as_the_engine_did_and_routers_get_gradients(policy, device, layout, engine, report):
     result = replay_check(policy, layout, "fp32", device=device, engine=engine)
@@ -36,7 +36,7 @@ def test_replay_routes_as_the_engine_did_and_routers_get_gradients(policy, devic
 
 
 @pytest.mark.nightly
-@pytest.mark.layouts(cpu=["dp2ep2"], cuda=["tp1"])
+@pytest.mark.layouts(cpu=["dp2ep2", "cp2ep2"], cuda=["tp1", "cp2ep2"])
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_without_replay_the_trainer_routes_otherwise_and_replay_closes_it(policy, device, layout, engine, dtype,

@@ -50,6 +50,42 @@ def test_every_cp_exchange_gives_the_same_parity(world, device, spec, layout, co
         assert result.passed, result.summary()
 
 
+@pytest.mark.layouts(cuda=["cp4"])
+def test_the_hierarchical_cp_exchange_gives_the_same_parity(world, device, spec, layout, hf_cache, report):
+    """`a2a+p2p` (megatron-core's hierarchical CP): all-to-all over the heads inside pairs of CP ranks,
+    the ring between the pairs, over the layout's two-level CP groups (Layout.hierarchical_cp_sizes)."""
+    if spec != "te":
+        pytest.skip("cp_comm_type chooses TE's exchange (the local spec's attention always all-gathers)")
+    for packing in ("right", "thd"):
+        case = ParityCase("tiny-qwen3", layout, "bf16", packing=packing, cp_comm_type="a2a+p2p")
+        result = _run(world, case, hf_cache, report)
+        assert result.passed, result.summary()
+
+
+def _hierarchical_cp_ranks(layout) -> list[list[int]]:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    return [dist.get_process_group_ranks(g) for g in ps.get_hierarchical_context_parallel_groups()]
+
+
+@pytest.mark.layouts(cpu=[pytest.param("cp4", marks=pytest.mark.nightly)], cuda=["cp4"])
+def test_a_cp4_layout_makes_the_hierarchical_groups_a2a_p2p_runs_over(world, device, layout):
+    from harness.parallel.state import run_in_layout
+
+    groups = run_in_layout(world, layout, _hierarchical_cp_ranks)
+    # Inner level: neighbouring CP ranks (the all-to-all); outer level: the same position of each pair.
+    assert groups == [[[0, 1], [0, 2]], [[0, 1], [1, 3]], [[2, 3], [0, 2]], [[2, 3], [1, 3]]]
+
+
+@pytest.mark.world_size(2)
+def test_the_hierarchical_exchange_below_cp4_is_refused_before_any_rank(world, report):
+    calls = world.calls
+    with pytest.raises(ValueError, match="a2a\\+p2p' at cp2: the hierarchical exchange needs cp >= 4"):
+        run_parity(world, ParityCase("tiny-qwen3", "cp2", "bf16", cp_comm_type="a2a+p2p"), test=report.test)
+    assert world.calls == calls
+
+
 def test_the_fp32_evaluation_of_a_cp_layout_folds_cp_into_dp():
     assert fp32_layout(parse_layout("cp2")).name == "dp2"
     assert fp32_layout(parse_layout("cp2tp2")).name == "tp2dp2"

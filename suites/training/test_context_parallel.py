@@ -20,7 +20,8 @@ def _dtype(spec: str) -> str:
 
 @pytest.mark.layout_pairs(cpu=[("cp2", "tp2"), ("pp2", "cp2"), pytest.param("cp2", "dp2", marks=NIGHTLY),
                             pytest.param("dp2", "cp2", marks=NIGHTLY)],
-                       cuda=[("cp2", "dp2"), ("dp2", "cp2"), ("cp2", "tp2"), ("pp2", "cp2")])
+                       cuda=[("cp2", "dp2"), ("dp2", "cp2"), ("cp2", "tp2"), ("pp2", "cp2"),  # 4 GPUs:
+                             ("cp2tp2", "tp2pp2"), ("tp2pp2", "cp2tp2"), ("cp4", "dp4"), ("cp2dp2", "cp4")])
 def test_a_cp_checkpoint_resumes_at_another_layout_and_back(policy, device, spec, source, target, tmp_path, report):
     """A CP rank holds whole weights, as a DP rank does: the checkpoint reshards as between any two
     layouts, and the next step equals the uninterrupted one's within the resume bounds of its dtype."""
@@ -33,7 +34,7 @@ def test_a_cp_checkpoint_resumes_at_another_layout_and_back(policy, device, spec
     assert (result.load["steps_done"], result.load["consumed_samples"]) == (2, 16)
 
 
-@pytest.mark.layouts(cpu=["cp2"], cuda=["cp2"])
+@pytest.mark.layouts(cpu=["cp2"], cuda=["cp2", "cp2tp2", "cp4"])
 def test_a_synced_engine_equals_the_policy_trained_under_cp(policy, device, spec, layout, report):
     from harness.rollout.check import sync_check
 
@@ -42,7 +43,7 @@ def test_a_synced_engine_equals_the_policy_trained_under_cp(policy, device, spec
     assert result.passed, result.summary()
 
 
-@pytest.mark.layouts(cpu=["cp2"], cuda=["cp2"])
+@pytest.mark.layouts(cpu=["cp2"], cuda=["cp2", "cp2dp2"])
 def test_offload_round_trip_under_cp(policy, device, spec, layout, report):
     from harness.offload.check import round_trip
 
@@ -81,6 +82,42 @@ def test_a_moe_policy_steps_under_cp_with_experts_over_dp_x_cp(policy, device, s
     from suites.training.test_policy import _check
 
     _check(policy, layout, report, model="tiny-qwen3-moe", dtype=_dtype(spec))
+
+
+@pytest.mark.layouts(cpu=[pytest.param("cp2ep2", marks=NIGHTLY)], cuda=["cp2ep2"])
+def test_a_moe_step_under_cp_replaying_the_ground_truths_routes_tracks_it(policy, device, spec, layout, report):
+    """Routing replay (R3) under CP, the way an RL trainer replays the rollout engine's routes: the first
+    step routes by itself, the second replays the routes the ground truth's routers took for its second
+    step. Both steps' loss and grad norm within the bounds of the dtype, and the replay taken exactly.
+    The routes the policy would have picked by itself at the second step are a row (how far its own
+    routing drifted from the ground truth's after one update in this dtype)."""
+    from harness.rollout.routing import routing_agreement
+    from harness.tolerance import CheckResult
+    from harness.training.invariance import ground_truth, ground_truth_routes, policy_config
+    from harness.training.routing_replay import train_with_routes
+    from harness.training.tolerances import training_tolerance
+
+    model, dtype = "tiny-qwen3-moe", _dtype(spec)
+    batches, expected, _ = ground_truth(model)
+    truth = ground_truth_routes(model, 1)
+    worker = policy(layout, model, **policy_config(micro_batches=2, dtype=dtype), routing_replay=True)
+    first = train_with_routes(worker, batches[0], None)["stats"]
+    second = train_with_routes(worker, batches[1], truth)
+    real = batches[1].batch.attention_mask.bool()
+    own = routing_agreement(truth, second["own"], real)
+    report.add("own_routing_agreement_step_1", own, tolerance=None, passed=True, claim="observed", layout=str(layout),
+               model=model, dtype=dtype)
+    taken = routing_agreement(truth, second["routes"], real)
+    report.add("replayed_routing_agreement", taken, tolerance=1.0, passed=taken == 1.0, claim="exact", layout=str(layout),
+               model=model, dtype=dtype)
+    assert taken == 1.0, f"the routers took {taken:.4f} of the replayed routes"
+    for step, (got, want) in enumerate(zip((first, second["stats"]), expected)):
+        for key in ("loss", "grad_norm"):
+            value = abs(got[key] - want[key]) / max(abs(want[key]), 1.0)
+            check = CheckResult.judge(f"{key}_rel_diff", value, training_tolerance(f"{key}_rel_diff", dtype))
+            report.add(check.metric, value, tolerance=check.tolerance.limit, passed=check.passed, claim=check.claim,
+                       layout=str(layout), model=model, dtype=dtype, step=step)
+            assert check.passed, f"step {step} {key}: {got[key]!r} vs ground truth {want[key]!r}"
 
 
 @pytest.mark.layouts(cuda=["cp2"])

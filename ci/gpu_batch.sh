@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Several runs at once on one lent machine, from a job file: one device tool call does many suites.
+# Usage (on the device, from the repository root): MRH_GIT_COMMIT=SHA bash ci/gpu_batch.sh JOBFILE
+# Each job line: NAME GPUS SECONDS ARGS...
+#   NAME not starting with "bench-": `ci/device_run.sh NAME ARGS...` (pytest; ARGS as on a shell line)
+#   NAME "bench-...": ARGS is a command whose stdout (one JSON line) goes to $OUT/NAME.json
+#   GPUS: CUDA_VISIBLE_DEVICES of the job. Jobs may share GPUs: the harness's tiny models use a
+#   fraction of one, so a 4-rank world and two 2-rank worlds can run side by side; timings (the
+#   benches) then run in a "serial" group first, alone on the machine.
+# Lines "serial" / "parallel" switch how the following jobs run (default parallel); "#" comments.
+# Setup (wheels, TE from .te/, vLLM from .vllm/) runs once first. Everything under $OUT is packed into
+# $OUT/batch.tgz at the end (the device tool returns few files per call).
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+jobs_file=${1:?usage: ci/gpu_batch.sh JOBFILE}
+out=${OUT:?set OUT (the device tool sets it)}
+t0=$(date +%s)
+MRH_SETUP_ONLY=1 bash ci/device_run.sh setup > "$out/setup.log" 2>&1 || { tail -40 "$out/setup.log"; exit 1; }
+[ -f /tmp/site/te_env.sh ] && . /tmp/site/te_env.sh
+echo "gpu_batch: setup done in $(( $(date +%s) - t0 )) s"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpus.txt" 2>&1
+mode=parallel; pids=()
+run_job() {  # NAME GPUS SECONDS ARGS...
+  local name=$1 gpus=$2 limit=$3; shift 3
+  local t=$(date +%s)
+  if [[ $name == bench-* ]]; then
+    CUDA_VISIBLE_DEVICES=$gpus timeout -s INT "$limit" bash -c "$*" > "$out/$name.json" 2> "$out/$name.log"
+  else
+    CUDA_VISIBLE_DEVICES=$gpus RUN_TIMEOUT=$limit ROWS_DIR=$out/rows-$name \
+      bash -c "bash ci/device_run.sh $name $* --mrh-report-dir $out/rows-$name" > "$out/$name.stdout" 2>&1
+  fi
+  local rc=$?
+  echo "gpu_batch: $name rc=$rc $(( $(date +%s) - t )) s: $(tail -1 "$out/$name.stdout" "$out/$name.log" 2>/dev/null | grep -E 'passed|failed|error' | tail -1)"
+}
+while IFS= read -r line || [ -n "$line" ]; do
+  [[ -z "${line// }" || $line == \#* ]] && continue
+  case $line in
+    serial|parallel) [ "$mode" = parallel ] && { wait; pids=(); }; mode=$line; continue ;;
+  esac
+  read -r name gpus limit rest <<< "$line"
+  if [ "$mode" = serial ]; then run_job "$name" "$gpus" "$limit" "$rest"; else run_job "$name" "$gpus" "$limit" "$rest" & fi
+done < "$jobs_file"
+wait
+echo "gpu_batch: all jobs done in $(( $(date +%s) - t0 )) s"
+tar czf /tmp/batch.tgz -C "$out" . && rm -rf "${out:?}"/* && mv /tmp/batch.tgz "$out/batch.tgz"
