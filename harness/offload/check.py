@@ -28,6 +28,16 @@ CONFIG = dict(lr=1e-3, weight_decay=0.01, clip_grad=1.0, eps=1e-6, micro_batches
 COMPONENTS = inventory.POLICY
 
 
+def config_for(layout) -> dict:
+    """CONFIG with as many micro-batches as `layout`'s schedule takes: 2, or a multiple of pp under
+    the interleaved (VPP) schedule (pp4vpp2 on 4 GPUs refused 2, 2026-11-27)."""
+    import math
+
+    from harness.parallel.state import as_layout
+
+    return dict(CONFIG, micro_batches=math.lcm(CONFIG["micro_batches"], as_layout(layout).micro_batch_multiple))
+
+
 # ------------------------------------------------------------------------------ rank side
 def digests(worker) -> dict[str, str]:
     """sha256 of every storage of every component, by slot name: "freed" when it holds no bytes,
@@ -178,7 +188,7 @@ def round_trip(make_policy: Callable, layout: str, dtype: str = "fp32", *, varia
     result = RoundTrip(layout, dtype, device, variant, model=model)
     own = policy is None
     if own:
-        policy = make_policy(layout, model, **CONFIG, dtype=dtype, offload_variant=variant)
+        policy = make_policy(layout, model, **config_for(layout), dtype=dtype, offload_variant=variant)
         policy.step(train_batch(0))
     try:
         _run(policy, result, cycles)

@@ -9,7 +9,7 @@ after, so another handle's calls, a new handle or a default-seed `run_in_layout`
 change nothing, and a checkpoint's restored RNG state is what the next step uses.
 
     policy = PolicyHandle(world, "tp2", "tiny-qwen3", lr=1e-3, micro_batches=2)
-    stats = policy.step(train_batch)      # {"loss", "grad_norm", "lr", "micro_batches": [...]}
+    stats = policy.step(train_batch)      # {"loss", "clip_fraction", "grad_norm", "lr", "micro_batches": [...]}
     state = policy.hf_state_dict()        # full HF tensors, for comparisons
     policy.close()
 

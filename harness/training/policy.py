@@ -300,9 +300,10 @@ class PolicyWorker:
 
             def loss_func(logits: torch.Tensor):
                 logprobs = token_logprobs(logits, tokens, micro, self.true_vocab, cp_variant)
-                loss, _ = rl_loss(logprobs, pending.parts[index], global_token_count=pending.tokens_total,
-                                  global_seq_count=pending.seqs_total, **self.config.loss_kwargs)
+                loss, stats = rl_loss(logprobs, pending.parts[index], global_token_count=pending.tokens_total,
+                                      global_seq_count=pending.seqs_total, **self.config.loss_kwargs)
                 pending.losses[index] = loss.detach()
+                pending.clipped[index] = stats["clip_fraction"]
                 return (loss * scale).to(device), {"loss": loss.detach()}
 
             return loss_func
@@ -332,9 +333,12 @@ class PolicyWorker:
 
         # The loss lives on the last pipeline stage: sum over DP there, then broadcast over PP.
         last = ps.is_pipeline_last_stage(ignore_virtual=True)
-        value = torch.zeros((), dtype=torch.float64, device=device)
+        # [loss, clip fraction]: the share of loss tokens whose ratio the clip held (no gradient); a
+        # comparison of steps reads it to tell a token flipped across the clip boundary (bf16).
+        value = torch.zeros(2, dtype=torch.float64, device=device)
         if last:
-            value += sum(float(local_losses[i]) for i in range(len(pending.micros)))
+            value[0] += sum(float(local_losses[i]) for i in range(len(pending.micros)))
+            value[1] += sum(float(pending.clipped[i]) for i in range(len(pending.micros)))
         # Over DP only: every CP rank already holds its DP rank's whole loss (the gathered logprobs);
         # summing over the CP ranks too is the variant cp-metrics-summed (SkyRL PR 1420).
         dist.all_reduce(value, group=ps.get_data_parallel_group(
@@ -344,7 +348,7 @@ class PolicyWorker:
                            group=ps.get_pipeline_model_parallel_group())
         self.steps_done += 1
         self.consumed_samples += pending.train_batch.batch_size
-        return {"loss": float(value), "grad_norm": float(grad_norm), "lr": lr,
+        return {"loss": float(value[0]), "clip_fraction": float(value[1]), "grad_norm": float(grad_norm), "lr": lr,
                 "micro_batches": self._micro_batch_stats(local_losses, pending.parts, last, device)}
 
     def _micro_batch_stats(self, local_losses, parts, last: bool, device) -> list[dict[str, Any]]:
@@ -582,6 +586,7 @@ class _Pending:
     dp_size: int
     done: set = field(default_factory=set)
     losses: dict = field(default_factory=dict)
+    clipped: dict = field(default_factory=dict)  # per part: its share of the global clip fraction
 
 
 @contextmanager

@@ -39,12 +39,16 @@ def test_replay_routes_as_the_engine_did_and_routers_get_gradients(policy, devic
 @pytest.mark.layouts(cpu=["dp2ep2", "cp2ep2"], cuda=["tp1", "cp2ep2"])
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_without_replay_the_trainer_routes_otherwise_and_replay_closes_it(policy, device, layout, engine, dtype,
+def test_without_replay_the_trainer_routes_otherwise_and_replay_closes_it(policy, device, spec, layout, engine, dtype,
                                                                          report):
     """The disagreement without replay and the logprob mismatch without and with replay are
     measurements (rows, no bound: on CPU in fp32 both engines route as the trainer does, so replay has
     nothing to close there); replay on the same weights and tokens must bring the agreement to
     exactly 1.0."""
+    from harness.parallel.layout import parse_layout
+
+    if spec == "te" and dtype == "fp32" and parse_layout(str(layout)).cp > 1:
+        pytest.skip("TE has no fp32 attention under context parallelism (harness.parallel.layout.CP_FP32)")
     from harness.rollout.mismatch import METRICS
 
     figures = disagreement(policy, layout, dtype, device=device, engine=engine)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.offload.check import CONFIG, MODEL, residual, round_trip
+from harness.offload.check import MODEL, config_for, residual, round_trip
 
 DTYPES = ("fp32", "bf16")
 
@@ -40,7 +40,7 @@ def test_a_full_offload_leaves_only_what_no_component_owns(policy, device, layou
     allocated is a live tensor the census names (the residual, itemised, is a report row)."""
     from harness.checkpoint.resume_check import train_batch
 
-    worker = policy(layout, MODEL, **CONFIG)
+    worker = policy(layout, MODEL, **config_for(layout))
     worker.step(train_batch(0))
     worker.offload()
     for rank, found in enumerate(worker.apply(residual)):

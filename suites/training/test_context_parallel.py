@@ -74,11 +74,12 @@ def test_a_moe_policy_steps_under_cp_with_experts_over_dp_x_cp(policy, device, s
     exchange their tokens): both steps equal the ground truth's within the bounds of the dtype.
     On the CPU tier in fp32 (gathered-kv attention) both steps are within 1e-6 (grad norm 8e-7): the
     CP x EP path itself (the feed, the dispatch across CP ranks, the loss, the reductions) is exact.
-    Open on CUDA (TE, bf16; 2x H200, f893bdc): the first step's grad norm is within 0.9%, the second's
-    18% off, while dp2ep2 in bf16 is within 0.024% there and dense cp2 passes both. bf16 MoE steps drift
-    on the CPU tier too (tiny-qwen3-moe, step 2: 5.3% at dp2ep2, 4.2% at cp2ep2, 2026-11-27): a route
-    flip after the first bf16 update is the leading explanation; the CUDA run that would show it is
-    not made yet (docs/context-parallel.md)."""
+    Open on CUDA (TE, bf16; 4x H100, 79563903): step 1 within 0.9%, step 2's grad norm 17.7% off (stack B
+    17.1%), while dp2ep2 is within 0.024% and dense cp2 passes both. Not only route flips: replaying the
+    ground truth's routes brings stack B to 1.7% but leaves stack A at 16.1% (next test). The ground truth's
+    step 2 clips 71 of 95 tokens, and a bf16 ratio crossing the clip boundary moves the grad norm by that
+    token's share (CPU, bf16: one token at dp2ep2, cp2ep2 and dp2 alike, 3-5%); the failure prints both
+    clip fractions (docs/context-parallel.md)."""
     from suites.training.test_policy import _check
 
     _check(policy, layout, report, model="tiny-qwen3-moe", dtype=_dtype(spec))
