@@ -6,8 +6,9 @@ Each rank feeds each of its routers the routes of the router's GLOBAL layer (``l
 megatron-core numbers layers across pipeline stages and virtual chunks) for the tokens the router
 sees: the micro-batches the policy feeds, in its sequence layout (left padding moved right,
 `MicroBatch.unmap` read backwards), sequence-first as the router flattens them ([s, b] -> s * b + b),
-this tensor-parallel rank's slice of the sequence under sequence parallelism. Pad positions replay
-experts 0..K-1 (a valid dummy route; the loss never sees them).
+this tensor-parallel rank's slice of the sequence under sequence parallelism, this context-parallel
+rank's chunks under CP (the positions the feed gives it; what the routers took is gathered back over the
+CP group). Pad positions replay experts 0..K-1 (a valid dummy route; the loss never sees them).
 
 We drive each RouterReplay instance of this rank's model directly, not megatron-core's class-level
 `RouterReplay.set_replay_data`: that one indexes `global_router_replay_instances`, a process-wide

@@ -85,7 +85,7 @@ def test_a_moe_policy_steps_under_cp_with_experts_over_dp_x_cp(policy, device, s
     _check(policy, layout, report, model="tiny-qwen3-moe", dtype=_dtype(spec))
 
 
-@pytest.mark.layouts(cpu=[pytest.param("cp2ep2", marks=NIGHTLY)], cuda=["cp2ep2"])
+@pytest.mark.layouts(cpu=["cp2ep2"], cuda=["cp2ep2"])
 def test_a_moe_step_under_cp_replaying_the_ground_truths_routes_tracks_it(policy, device, spec, layout, report):
     """Routing replay (R3) under CP, the way an RL trainer replays the rollout engine's routes: the first
     step routes by itself, the second replays the routes the ground truth's routers took for its second
