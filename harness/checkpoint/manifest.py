@@ -67,14 +67,23 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _sha256_all(paths: list[Path]) -> list[str]:
+    """`_sha256` of each path, several files at once: hashlib releases the GIL on large blocks, and a
+    commit hashes every rank's shard (qwen3-0.6b-shape at tp2pp2: 8.3 GB, most of a 33 s sync save on
+    one thread, 4x H100 2026-11-27)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if len(paths) < 2:
+        return [_sha256(p) for p in paths]
+    with ThreadPoolExecutor(max_workers=min(len(paths), os.cpu_count() or 1, 8)) as pool:
+        return list(pool.map(_sha256, paths))
+
+
 def file_table(directory: Path) -> dict[str, dict[str, Any]]:
     """Every file of the checkpoint (recursively, manifest excluded): size and sha256."""
-    table = {}
-    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
-        name = path.relative_to(directory).as_posix()
-        if name != MANIFEST:
-            table[name] = {"size": path.stat().st_size, "sha256": _sha256(path)}
-    return table
+    paths = [p for p in sorted(directory.rglob("*")) if p.is_file() and p.relative_to(directory).as_posix() != MANIFEST]
+    return {p.relative_to(directory).as_posix(): {"size": p.stat().st_size, "sha256": digest}
+            for p, digest in zip(paths, _sha256_all(paths))}
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:
@@ -108,14 +117,19 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
 def verify_files(directory: str | os.PathLike, manifest: Manifest, *, checksums: bool = True) -> None:
     """Raise one CheckpointError naming every missing, truncated, corrupt or unexpected file."""
     directory = Path(directory)
-    problems = []
+    problems, sized = [], []
     for name, want in sorted(manifest.files.items()):
         path = directory / name
         if not path.is_file():
             problems.append(f"{name}: missing")
         elif path.stat().st_size != want["size"]:
             problems.append(f"{name}: {path.stat().st_size} bytes, the manifest says {want['size']} (truncated?)")
-        elif checksums and _sha256(path) != want["sha256"]:
-            problems.append(f"{name}: sha256 differs from the manifest (corrupt)")
+        else:
+            sized.append(name)
+    if checksums:
+        digests = _sha256_all([directory / name for name in sized])
+        problems += [f"{name}: sha256 differs from the manifest (corrupt)"
+                     for name, digest in zip(sized, digests) if digest != manifest.files[name]["sha256"]]
+    problems.sort()  # by file name, whatever the problem
     if problems:
         raise CheckpointError(f"{directory}: damaged checkpoint: " + "; ".join(problems))
