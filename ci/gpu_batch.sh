@@ -10,6 +10,9 @@
 # Lines "serial" / "parallel" switch how the following jobs run (default parallel); "#" comments.
 # Setup (wheels, TE from .te/, vLLM from .vllm/) runs once first. Everything under $OUT is packed into
 # $OUT/batch.tgz at the end (the device tool returns few files per call).
+# BATCH_LIMIT (default 570 s, from the start): no job runs past it (each job's SECONDS is cut to what is
+# left, a job with under 30 s left is skipped), so the packing runs before the device call's own limit
+# kills everything (2026-11-27: a call that outlived it came back without its reports).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 jobs_file=${1:?usage: ci/gpu_batch.sh JOBFILE}
@@ -20,9 +23,13 @@ MRH_SETUP_ONLY=1 bash ci/device_run.sh setup > "$out/setup.log" 2>&1 || { tail -
 echo "gpu_batch: setup done in $(( $(date +%s) - t0 )) s"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpus.txt" 2>&1
 mode=parallel; pids=()
+budget=${BATCH_LIMIT:-570}
 run_job() {  # NAME GPUS SECONDS ARGS...
   local name=$1 gpus=$2 limit=$3; shift 3
   local t=$(date +%s)
+  local left=$(( budget - (t - t0) - 15 ))  # 15 s for the packing
+  if [ "$left" -lt 30 ]; then echo "gpu_batch: $name skipped: ${left} s left of BATCH_LIMIT=$budget"; return; fi
+  [ "$limit" -gt "$left" ] && limit=$left
   if [[ $name == bench-* ]]; then
     CUDA_VISIBLE_DEVICES=$gpus timeout -s INT "$limit" bash -c "$*" > "$out/$name.json" 2> "$out/$name.log"
   else
@@ -30,7 +37,7 @@ run_job() {  # NAME GPUS SECONDS ARGS...
       bash -c "bash ci/device_run.sh $name $* --mrh-report-dir $out/rows-$name" > "$out/$name.stdout" 2>&1
   fi
   local rc=$?
-  echo "gpu_batch: $name rc=$rc $(( $(date +%s) - t )) s: $(tail -1 "$out/$name.stdout" "$out/$name.log" 2>/dev/null | grep -E 'passed|failed|error' | tail -1)"
+  echo "gpu_batch: $name rc=$rc $(( $(date +%s) - t )) s $(grep -h '^- outcome' "$out/$name.md" 2>/dev/null)"
 }
 while IFS= read -r line || [ -n "$line" ]; do
   [[ -z "${line// }" || $line == \#* ]] && continue
