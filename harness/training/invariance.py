@@ -31,16 +31,26 @@ STEPS = 2
 # eps 1e-6 bounds that sensitivity (d update / d g <= lr / eps) without changing anything else.
 OPTIM = dict(lr=1e-3, weight_decay=0.01, clip_grad=1.0, eps=1e-6)
 LOSS = dict(kl_coef=0.05, clip_eps_high=0.28, aggregation="token-mean")
+# The same loss with the ratio clip out of reach. Step 2 of the ground truth clips 71 of tiny-qwen3-moe's 95
+# loss tokens, so in bf16 a ratio rounded across the clip boundary moves the grad norm by that token's whole
+# share (CPU, bf16: one token, 3-5%); without the clip a step's bf16 error is rounding alone.
+UNCLIPPED = dict(LOSS, clip_eps=1e9, clip_eps_high=1e9)
 
 
-def policy_config(*, micro_batches: int = 2, dtype: str = "fp32", variant: str | None = None) -> dict[str, Any]:
-    """The PolicyConfig fields the ground truth trains with."""
-    return dict(OPTIM, micro_batches=micro_batches, loss_kwargs=dict(LOSS), variant=variant, dtype=dtype)
+def policy_config(*, micro_batches: int = 2, dtype: str = "fp32", variant: str | None = None,
+                  loss: dict[str, Any] = LOSS) -> dict[str, Any]:
+    """The PolicyConfig fields the ground truth trains with (`loss`: LOSS, or UNCLIPPED)."""
+    return dict(OPTIM, micro_batches=micro_batches, loss_kwargs=dict(loss), variant=variant, dtype=dtype)
+
+
+def ground_truth(model: str = MODEL, loss: dict[str, Any] | None = None):
+    """(batches, ground-truth step results, HF state dict after the steps) with the loss `loss`
+    (LOSS by default): once per process and loss."""
+    return _ground_truth(model, tuple(sorted((LOSS if loss is None else loss).items())))
 
 
 @functools.lru_cache(maxsize=4)
-def ground_truth(model: str = MODEL):
-    """(batches, ground-truth step results, HF state dict after the steps): once per process."""
+def _ground_truth(model: str, loss: tuple):
     from harness.logprobs import hf_logprobs
     from harness.models import build_hf_model, load_hf_config, resolve_model
     from harness.models.zoo import checkpoint_state_dict
@@ -54,7 +64,7 @@ def ground_truth(model: str = MODEL):
     # On-policy old logprobs, perturbed so that both clipping branches occur in step 2.
     with torch.no_grad():
         tb = tb.with_old_logprobs(hf_logprobs(hf, tb.batch) + 0.02 * tb.advantages.sign())
-    trainer = GroundTruthTrainer(hf, **OPTIM, **LOSS)
+    trainer = GroundTruthTrainer(hf, **OPTIM, **dict(loss))
     results = [trainer.step(tb, micro_batches=2) for _ in range(STEPS)]
     return [tb] * STEPS, results, checkpoint_state_dict(hf)  # the names the policy exports
 
@@ -127,7 +137,7 @@ def _check(metric: str, value: float, dtype: str) -> CheckResult:
 def compare_to_ground_truth(policy, *, model: str = MODEL) -> InvarianceResult:
     """Train `policy` (a PolicyHandle made with `policy_config(...)`) for STEPS steps on the
     ground truth's batches and compare; the handle's config says dtype, micro-batches, variant."""
-    batches, expected, ref_state = ground_truth(model)
+    batches, expected, ref_state = ground_truth(model, policy.config.get("loss_kwargs"))
     dtype = policy.config.get("dtype", "fp32")
     result = InvarianceResult(str(policy.layout), dtype, policy.world.device, policy.config.get("variant"))
     result.steps = policy.steps(batches)

@@ -69,7 +69,8 @@ def test_the_rl_loop_runs_under_cp_and_follows_dp2(rl_loop, device, spec, layout
 
 
 @pytest.mark.layouts(cpu=["cp2ep2"], cuda=["cp2ep2"])
-def test_a_moe_policy_steps_under_cp_with_experts_over_dp_x_cp(policy, device, spec, layout, report):
+@pytest.mark.parametrize("clip", ["ratio-clip", pytest.param("unclipped", marks=NIGHTLY)])
+def test_a_moe_policy_steps_under_cp_with_experts_over_dp_x_cp(policy, device, spec, layout, clip, report):
     """ep carved out of DP x CP (Megatron's expert layout: the two CP ranks hold one expert each and
     exchange their tokens): both steps equal the ground truth's within the bounds of the dtype.
     On the CPU tier in fp32 (gathered-kv attention) both steps are within 1e-6 (grad norm 8e-7): the
@@ -79,10 +80,13 @@ def test_a_moe_policy_steps_under_cp_with_experts_over_dp_x_cp(policy, device, s
     ground truth's routes brings stack B to 1.7% but leaves stack A at 16.1% (next test). The ground truth's
     step 2 clips 71 of 95 tokens, and a bf16 ratio crossing the clip boundary moves the grad norm by that
     token's share (CPU, bf16: one token at dp2ep2, cp2ep2 and dp2 alike, 3-5%); the failure prints both
-    clip fractions (docs/context-parallel.md)."""
+    clip fractions (docs/context-parallel.md). `unclipped`: the same steps with the ratio clip out of reach
+    (harness.training.invariance.UNCLIPPED, against a ground truth trained so): rounding alone."""
+    from harness.training.invariance import LOSS, UNCLIPPED
     from suites.training.test_policy import _check
 
-    _check(policy, layout, report, model="tiny-qwen3-moe", dtype=_dtype(spec))
+    _check(policy, layout, report, model="tiny-qwen3-moe", dtype=_dtype(spec),
+           loss=UNCLIPPED if clip == "unclipped" else LOSS)
 
 
 @pytest.mark.layouts(cpu=["cp2ep2"], cuda=["cp2ep2"])

@@ -13,7 +13,7 @@ import torch
 
 from harness.models import build_hf_model
 from harness.pytest_plugin.worlds import skip_invalid_layout, skip_unless_converted
-from harness.training.invariance import MODEL, compare_to_ground_truth, policy_config
+from harness.training.invariance import LOSS, MODEL, compare_to_ground_truth, policy_config
 from harness.training.tolerances import training_tolerance
 
 
@@ -24,12 +24,12 @@ def _check(policy, layout, report, **kwargs):
 
 
 def _compare(policy, layout, report, micro_batches=2, variant=None, model=MODEL, dtype="fp32",
-             world_size=None):
+             world_size=None, loss=LOSS):
     with skip_invalid_layout():  # e.g. pp4vpp2 on a 4-layer model
         worker = policy(layout, model, world_size=world_size,
-                        **policy_config(micro_batches=micro_batches, dtype=dtype, variant=variant))
+                        **policy_config(micro_batches=micro_batches, dtype=dtype, variant=variant, loss=loss))
     result = compare_to_ground_truth(worker, model=model)
-    report.extend(result.rows(model, micro_batches=micro_batches))
+    report.extend(result.rows(model, micro_batches=micro_batches, **({} if loss is LOSS else {"loss": "unclipped"})))
     for got in result.steps:
         assert sum(m["loss"] for m in got["micro_batches"]) == pytest.approx(got["loss"], rel=1e-9, abs=1e-12)
     # The step must actually have moved the weights (else equality proves nothing).
