@@ -260,11 +260,10 @@ def require_experts(model, hf_config) -> None:
     if not num_experts(hf_config):
         raise ValueError(f"routing replay needs a Mixture-of-Experts model: {model} is dense (no routers to "
                          "record or replay; e.g. tiny-qwen3-moe)")
-    if hf_config.model_type == "glm4_moe":  # issue 37: not yet (docs/moe.md, GLM-4.5-MoE)
-        raise ValueError(f"routing replay does not support GLM-4.5-MoE ({model}) yet: the route format stacks "
-                         "the MoE layers (its dense first layers would shift them off their global index) and the "
-                         "replay's HF ground truth weighs experts by a softmax, not GLM's sigmoid with expert bias "
-                         "and routed scaling")
+    if hf_config.model_type == "gpt_oss":  # issue 37: not yet (docs/moe.md, gpt-oss)
+        raise ValueError(f"routing replay does not support gpt-oss ({model}) yet: its HF router is "
+                         "model.layers.N.mlp.router (softmax after top-k), which the engine's route recorder "
+                         "does not hook, and no stack here replays it (stack A has no gpt-oss bridge)")
 
 
 def as_dicts(history: list[Iteration]) -> list[dict[str, Any]]:

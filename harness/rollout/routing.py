@@ -4,7 +4,10 @@ A MoE model's routing over a batch is an int64 tensor ``[B, S, L, K]`` aligned w
 for row b, column s and GLOBAL layer l (0-based, the HF checkpoint's ``model.layers.{l}``), the K
 experts the router chose for that token, in the router's order; ``PAD`` (-1) where column s is a pad.
 Global layer indices are what keeps the trainer aligned under pipeline parallelism (verl #5037: a
-stage that reads the routes by its own local layer index replays another stage's routes).
+stage that reads the routes by its own local layer index replays another stage's routes). L is every
+layer of the model, MoE or not: a dense layer (GLM-4.5-MoE's and DeepSeek-V3's first
+`first_k_dense_replace` layers) has no router, so its rows are PAD at every token (`routed_layers`), and
+a MoE layer's routes stay at its global index, where the trainer reads them (``layer_number - 1``).
 
 An engine records the route of every token it FEEDS through the model: the prompt (prefill) and
 each sampled token fed back by the next decode step. The last sampled token of a row is never fed
@@ -44,6 +47,7 @@ class RoutingRecorder:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.routers = hf_routers(model)
+        self.num_layers = int(getattr(model.config, "num_hidden_layers", max(self.routers) + 1))
         self.calls: dict[int, list[torch.Tensor]] = {layer: [] for layer in self.routers}
         self._hooks: list = []
 
@@ -68,11 +72,14 @@ class RoutingRecorder:
 
     def routes(self, batch_size: int, real: torch.Tensor) -> torch.Tensor:
         """[B, S, L, K]: each call's [B * s, K] indices (HF flattens batch-major) along the
-        sequence; PAD where `real` ([B, S] bool) is False. Calls that covered S - 1 columns (a
-        generation: the last sampled token is never fed) leave the last column PAD."""
-        per_layer = [torch.cat([c.view(batch_size, -1, c.shape[-1]) for c in calls], dim=1)
-                     for calls in self.calls.values()]
-        routes = torch.stack(per_layer, dim=2)
+        sequence; PAD where `real` ([B, S] bool) is False and in every row of a dense layer. Calls
+        that covered S - 1 columns (a generation: the last sampled token is never fed) leave the last
+        column PAD."""
+        per_layer = {layer: torch.cat([c.view(batch_size, -1, c.shape[-1]) for c in calls], dim=1)
+                     for layer, calls in self.calls.items()}
+        some = next(iter(per_layer.values()))
+        dense = torch.full_like(some, PAD)
+        routes = torch.stack([per_layer.get(layer, dense) for layer in range(self.num_layers)], dim=2)
         if routes.shape[1] == real.shape[1] - 1:
             routes = torch.cat([routes, torch.full_like(routes[:, :1], PAD)], dim=1)
         if routes.shape[1] != real.shape[1]:
@@ -117,16 +124,23 @@ def from_token_routes(rows: list[torch.Tensor], real: torch.Tensor) -> torch.Ten
     return out
 
 
+def routed_layers(*routes: torch.Tensor) -> torch.Tensor:
+    """[L] bool: the layers some of `routes` ([B, S, L, K] each) routes any token in: the MoE layers
+    (a dense layer is PAD everywhere on every side, so it counts in no agreement)."""
+    return torch.stack([(r >= 0).flatten(0, 1).any(0).any(-1) for r in routes]).any(0)
+
+
 def routing_agreement(engine: torch.Tensor, trainer: torch.Tensor, real: torch.Tensor) -> float:
-    """The fraction of (routed token, layer) pairs whose top-k expert SETS are equal (the order
+    """The fraction of (routed token, MoE layer) pairs whose top-k expert SETS are equal (the order
     within a top-k is the router's and means nothing); routed tokens: the real ones but each row's
-    last (`routed_positions`). A token the trainer did not route, or the engine did not record,
-    counts as a disagreement. 1.0 is what replay must give; RFC #4168 reports ~0.9 without it."""
+    last (`routed_positions`); MoE layers: those either side routed any token in (`routed_layers`).
+    A token the trainer did not route, or the engine did not record, counts as a disagreement. 1.0
+    is what replay must give; RFC #4168 reports ~0.9 without it."""
     if engine.shape != trainer.shape:
         raise ValueError(f"routes of shape {tuple(engine.shape)} and {tuple(trainer.shape)}")
     same = (engine.sort(-1).values == trainer.sort(-1).values).all(-1)  # [B, S, L]
     same &= (trainer >= 0).all(-1) & (engine >= 0).all(-1)
-    return float(same[routed_positions(real)].float().mean())
+    return float(same[routed_positions(real)][:, routed_layers(engine, trainer)].float().mean())
 
 
 def drifted(routes: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -143,12 +157,30 @@ def drifted(routes: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.where(routes[..., :1] >= 0, out, torch.full_like(out, PAD))
 
 
+def forced_weights(router: torch.nn.Module, logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """[tokens, K] float32 weights HF's `router` gives the experts `index` from its `logits`. A
+    softmax router (Qwen3-MoE, Mixtral): the softmax over every expert gathered there, renormalised
+    where it renormalises (norm_topk_prob). A sigmoid router with an expert bias (GLM-4.5-MoE's and
+    DeepSeek-V3's TopkRouter: `e_score_correction_bias`): the bias and the group limit only CHOOSE the
+    experts, so forced ones weigh their unbiased sigmoid scores, renormalised (+1e-20, as HF) where
+    norm_topk_prob, times routed_scaling_factor (as megatron-core's replay, moe_utils.
+    topk_routing_with_score_function, weighs them)."""
+    if hasattr(router, "e_score_correction_bias"):
+        weights = logits.float().sigmoid().gather(1, index)
+        if router.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * router.routed_scaling_factor
+    weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, index)
+    if getattr(router, "norm_topk_prob", True):
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights
+
+
 @contextmanager
 def forced_routes(model: torch.nn.Module, routes: torch.Tensor) -> Iterator[None]:
     """An HF model's routers made to pick `routes` ([tokens, L, K] of what the model is fed in one
     call, HF's flattening; PAD: experts 0..K-1) inside the `with`, each token's weights computed by
-    HF's own formula at those experts: the softmax over every expert gathered there, renormalised
-    where the router renormalises (norm_topk_prob). The ground truth of a replayed routing."""
+    HF's own formula at those experts (`forced_weights`). The ground truth of a replayed routing."""
     hooks = []
     k = routes.shape[-1]
     for layer, router in hf_routers(model).items():
@@ -157,10 +189,7 @@ def forced_routes(model: torch.nn.Module, routes: torch.Tensor) -> Iterator[None
         def force(module, args, output, chosen=chosen):
             logits = output[0]
             index = chosen.to(logits.device)
-            weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, index)
-            if getattr(module, "norm_topk_prob", True):
-                weights = weights / weights.sum(dim=-1, keepdim=True)
-            return logits, weights.to(logits.dtype), index
+            return logits, forced_weights(module, logits, index).to(logits.dtype), index
 
         hooks.append(router.register_forward_hook(force))
     try:

@@ -113,10 +113,12 @@ def drifted_everywhere(policy, batch, num_experts: int, variant: str | None = No
 
 
 def shared_experts(routes: torch.Tensor, own: torch.Tensor, real: torch.Tensor) -> float:
-    """The fraction of (real token, layer) pairs whose replayed top-k shares an expert with the
-    router's own pick."""
+    """The fraction of (real token, MoE layer) pairs whose replayed top-k shares an expert with the
+    router's own pick (a dense layer's PAD rows match each other and mean nothing)."""
+    from harness.rollout.routing import routed_layers
+
     overlap = (routes.unsqueeze(-1) == own.unsqueeze(-2)).any(-1).any(-1)  # [B, S, L]
-    return float(overlap[real].float().mean())
+    return float(overlap[real][:, routed_layers(routes, own)].float().mean())
 
 
 def ground_truth_router_grads(model: str, train_batch, routes: torch.Tensor) -> dict[int, torch.Tensor]:
@@ -179,7 +181,7 @@ def replay_check(make_policy: Callable[..., Any], layout: str, dtype: str = "fp3
 
     model = engine_model(engine, model)
     config = load_hf_config(model)
-    require_experts(model, config)  # one error for what cannot replay (a dense model, GLM-4.5-MoE)
+    require_experts(model, config)  # one error for what cannot replay (a dense model, gpt-oss)
     require(variant, check="routing-replay", layout=parse_layout(str(layout)), config=config)
     result = ReplayResult(str(layout), dtype, device, variant, model, engine)
     rollouts = open_routing_engine(engine, model, dtype, device).generate(prompts(config.vocab_size), SAMPLING,
@@ -215,7 +217,7 @@ def disagreement(make_policy: Callable[..., Any], layout: str, dtype: str, *, mo
     against the trainer's without and with replay (harness.rollout.mismatch.mismatch_metrics)."""
     from harness.models import load_hf_config
     from harness.rollout.mismatch import mismatch_metrics
-    from harness.rollout.routing import routed_positions, routing_agreement
+    from harness.rollout.routing import routed_layers, routed_positions, routing_agreement
     from harness.training.routing_replay import logprobs_with_routes
 
     model = engine_model(engine, model)
@@ -231,6 +233,7 @@ def disagreement(make_policy: Callable[..., Any], layout: str, dtype: str, *, mo
     real = rollouts.batch.attention_mask
     routed = routed_positions(real)
     differs = (rollouts.routing.sort(-1).values != mine.sort(-1).values).any(-1)  # [B, S, L]
+    differs = differs[:, :, routed_layers(rollouts.routing, mine)]  # MoE layers only
     sampled = rollouts.batch.response_mask
     engine_logprobs = rollouts.logprobs.cpu()
     return {"model": model, "routing_disagreement": float(differs[routed].float().mean()),

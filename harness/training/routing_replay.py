@@ -58,7 +58,8 @@ def fed_routes(micro, routes: torch.Tensor) -> torch.Tensor:
     """The routes [b, s, L, K] of a micro-batch as fed (its rows' routes [B, S, L, K] moved where
     `micro.unmap` says each fed token came from); experts 0..K-1 at fed positions of no row token
     and at each row's last token, which no engine routes (it is never fed; its output predicts past
-    the row, so nothing the loss sees depends on its route: harness.rollout.routing)."""
+    the row, so nothing the loss sees depends on its route: harness.rollout.routing). A dense layer's
+    rows stay PAD (no router reads them); a router's own layer is checked where it is queued."""
     b, s = micro.tokens.shape
     fed_number = torch.arange(1, b * s + 1, dtype=torch.float64).view(b, s)
     source = micro.unmap(fed_number).long()  # rows layout: which fed position (1-based) each token went to
@@ -68,9 +69,7 @@ def fed_routes(micro, routes: torch.Tensor) -> torch.Tensor:
     routes = torch.where(unrouted, torch.arange(k).expand_as(routes), routes)
     out = torch.arange(k).expand(b * s, layers, k).clone()
     out[source[real] - 1] = routes[real]
-    if bool((out < 0).any()):
-        raise ValueError("a real token has no recorded route (PAD inside the rows' real tokens, before the last)")
-    return out.view(b, s, layers, k)
+    return out.view(b, s, layers, k)  # PAD left only in a dense layer's rows, or where a route is missing
 
 
 def _router_tokens(fed: torch.Tensor, layer: int, sequence_parallel: bool,
@@ -127,6 +126,9 @@ def routing_session(models, micros, routes: torch.Tensor | None, variant: str | 
             layer = router.local if variant == "replay-local-layer-index" else router.layer
             sp = bool(router.module.config.sequence_parallel)
             queue = [_router_tokens(f, layer, sp, _cp_positions(m)) for m, f in zip(micros, fed)]
+            if any(bool((q < 0).any()) for q in queue):
+                raise ValueError(f"layer {layer}'s router has a real token with no recorded route (PAD inside "
+                                 "the rows' real tokens before the last, or a MoE layer's routes missing)")
             hooks.append(router.module.register_forward_pre_hook(_next_target(router, queue)))
             replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
             if variant == "replay-from-zeroed-probs":
@@ -187,12 +189,25 @@ def _capture(router: _Router):
         chosen = routing_map.float().topk(k, dim=1).indices.sort(dim=1).values.cpu()
         complete = routing_map.sum(dim=1).cpu() == k  # a dropped or doubled route is no top-k
         router.captured.append(torch.where(complete.unsqueeze(1), chosen, torch.full_like(chosen, PAD)))
-        with torch.no_grad():  # what the router would pick by itself: the top-k of its logits (a
-            # softmax or sigmoid score keeps their order; an expert bias would not, none here)
+        with torch.no_grad():  # what the router would pick by itself
             logits = module.gating(args[0]).reshape(-1, routing_map.shape[1])
-            router.own.append(logits.topk(k, dim=1).indices.sort(dim=1).values.cpu())
+            router.own.append(_own_topk(module, logits))
 
     return hook
+
+
+def _own_topk(module, logits: torch.Tensor) -> torch.Tensor:
+    """[tokens, K] sorted: the experts megatron-core's `module` picks from `logits` without replay, by
+    its own routing function (not the top-k of the logits: an expert bias, as GLM-4.5-MoE's and
+    DeepSeek-V3's, and a group limit change the pick)."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    c = module.config
+    _, routing_map = topk_routing_with_score_function(
+        logits, module.topk, use_pre_softmax=c.moe_router_pre_softmax, num_groups=c.moe_router_num_groups,
+        group_topk=c.moe_router_group_topk, scaling_factor=c.moe_router_topk_scaling_factor,
+        score_function=module.score_function, expert_bias=module.expert_bias)
+    return routing_map.float().topk(module.topk, dim=1).indices.sort(dim=1).values.cpu()
 
 
 def captured_rows(found: list[_Router], micros, what: str = "captured") -> dict[int, torch.Tensor]:
@@ -248,7 +263,7 @@ def replay_step(worker, train_batch, routes: torch.Tensor | None, variant: str |
     stats = worker.finish_step()
     return {"stats": stats, "routes": captured_rows(found, micros), "own": captured_rows(found, micros, "own"),
             "grads": grads,
-            "sequence_parallel": bool(found[0].module.config.sequence_parallel), **_coordinates(ps)}
+            "sequence_parallel": bool(found[0].module.config.sequence_parallel), **_coordinates(ps, found)}
 
 
 def replay_logprobs(worker, batch, routes: torch.Tensor | None, micro_batches: int = 1,
@@ -264,7 +279,7 @@ def replay_logprobs(worker, batch, routes: torch.Tensor | None, micro_batches: i
     with routing_session(worker.models, micros, _local_rows(routes), variant) as found:
         logprobs = worker.logprobs(batch, micro_batches)
     return {"logprobs": logprobs, "routes": captured_rows(found, micros), "own": captured_rows(found, micros, "own"),
-            **_coordinates(ps)}
+            **_coordinates(ps, found)}
 
 
 def _local_rows(routes: torch.Tensor | None) -> torch.Tensor | None:
@@ -275,9 +290,19 @@ def _local_rows(routes: torch.Tensor | None) -> torch.Tensor | None:
     return routes.chunk(ps.get_data_parallel_world_size())[ps.get_data_parallel_rank()]
 
 
-def _coordinates(ps) -> dict[str, int]:
+def _coordinates(ps, found: list[_Router]) -> dict[str, Any]:
     return {"dp_rank": ps.get_data_parallel_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),
-            "pp_rank": ps.get_pipeline_model_parallel_rank(), "cp_rank": ps.get_context_parallel_rank()}
+            "pp_rank": ps.get_pipeline_model_parallel_rank(), "cp_rank": ps.get_context_parallel_rank(),
+            **_layers(found[0].module.config)}
+
+
+def _layers(config) -> dict[str, Any]:
+    """The model's layer count and its MoE layers' global indices (0-based), from megatron-core's
+    `moe_layer_freq` (an int N: every N-th layer from 0; a list: 1 where a layer is MoE): the layers
+    the gathered routes must cover, the others being dense (GLM-4.5-MoE's, DeepSeek-V3's first ones)."""
+    freq, n = config.moe_layer_freq, config.num_layers
+    moe = [i for i in range(n) if i % freq == 0] if isinstance(freq, int) else [i for i, f in enumerate(freq) if f]
+    return {"num_layers": n, "moe_layers": moe}
 
 
 # ----------------------------------------------------------------------------- parent side
@@ -288,10 +313,16 @@ def assemble_routes(results: list[dict[str, Any]], key: str = "routes") -> torch
     for r in results:
         if r["tp_rank"] == 0 and r.get("cp_rank", 0) == 0:
             by_dp.setdefault(r["dp_rank"], {}).update(r[key])
-    layers = sorted(by_dp[0])
-    if any(sorted(v) != layers for v in by_dp.values()) or layers != list(range(len(layers))):
-        raise RuntimeError(f"routes of layers {layers} gathered: some layer is missing or doubled")
-    return torch.cat([torch.stack([by_dp[d][layer] for layer in layers], dim=2) for d in sorted(by_dp)])
+    layers, moe = sorted(by_dp[0]), results[0]["moe_layers"]
+    if any(sorted(v) != layers for v in by_dp.values()) or layers != moe:
+        raise RuntimeError(f"routes of layers {layers} gathered for MoE layers {moe}: some layer is missing or "
+                           "doubled")
+
+    def rows(d: int) -> torch.Tensor:  # every layer; a dense one PAD (harness.rollout.routing)
+        dense = torch.full_like(by_dp[d][layers[0]], PAD)
+        return torch.stack([by_dp[d].get(layer, dense) for layer in range(results[0]["num_layers"])], dim=2)
+
+    return torch.cat([rows(d) for d in sorted(by_dp)])
 
 
 def full_router_grads(results: list[dict[str, Any]], data_parallel: int) -> dict[int, torch.Tensor]:

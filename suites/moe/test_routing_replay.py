@@ -14,6 +14,9 @@ catalog's routing-replay variants (ISEEKYAN/Megatron-LM#79, verl #5037) fail the
 the fixed path passing, on both engines: suites/sensitivity. The GRPO loop runs with replay on
 (`mrh loop --routing-replay`).
 
+GLM-4.5-MoE and DeepSeek-V3 (a dense first layer, a sigmoid router with an expert bias, group limit and
+routed scaling) run the check on the HF engine: DeepSeek-V3 at tp1 in CI, the rest (GLM, dp2ep2) nightly.
+
 CI runs the loop at dp2ep2, vLLM's routes against HF's routers on the same tokens (no world), and the
 sensitivity cases at pp2; the check at every layout and the disagreement measurement run nightly.
 """
@@ -33,6 +36,70 @@ def test_replay_routes_as_the_engine_did_and_routers_get_gradients(policy, devic
     result = replay_check(policy, layout, "fp32", device=device, engine=engine)
     report.extend(result.rows())
     assert result.passed, result.summary()
+
+
+# GLM-4.5-MoE and DeepSeek-V3: a dense first layer (its rows of the routes PAD, the MoE layers at their global
+# index), a sigmoid router whose expert bias and group limit only choose the experts, and routed scaling
+# (the HF ground truth weighs forced experts so: harness.rollout.routing.forced_weights). CPU, HF engine.
+FAMILIES = ["tiny-glm4-moe", "tiny-deepseek-v3"]
+
+
+# CI: DeepSeek-V3 at tp1 (every feature above, plus the group limit; 1.7 s, 11-15 s with the tp1 world's start
+# when no earlier test started it); the rest nightly
+@pytest.mark.layouts(cpu=["tp1", pytest.param("dp2ep2", marks=pytest.mark.nightly)], cuda=[])
+@pytest.mark.parametrize("model", [pytest.param("tiny-glm4-moe", marks=pytest.mark.nightly), "tiny-deepseek-v3"])
+def test_replay_with_dense_layers_and_biased_sigmoid_routers(policy, device, layout, model, report):
+    result = replay_check(policy, layout, "fp32", device=device, model=model, engine="hf")
+    report.extend(result.rows())
+    assert result.passed, result.summary()
+
+
+@pytest.mark.parametrize("model", FAMILIES)
+def test_an_hf_model_forced_to_its_own_routes_computes_what_it_did(model, monkeypatch):
+    """The routes the HF engine records keep every layer (the dense first ones PAD, each MoE layer at its
+    global index), and the HF ground truth forced to them weighs the experts as the router itself does
+    (harness.rollout.routing.forced_weights): the same logits, bit for bit. The softmax weights the
+    ground truth gave every router before (Qwen3-MoE's) change them: the control."""
+    from harness.models import build_hf_model, resolve_model
+    from harness.rollout import routing
+    from harness.rollout.routing import RoutingRecorder, forced_routes, hf_routers, routed_layers
+
+    hf = build_hf_model(resolve_model(model))
+    config, batch, seq = hf.config, 2, 6
+    ids = torch.randint(1, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    with RoutingRecorder(hf) as recorder, torch.no_grad():
+        own = hf(input_ids=ids).logits
+    routes = recorder.routes(batch, torch.ones_like(ids, dtype=torch.bool))
+    layers, dense = config.num_hidden_layers, config.first_k_dense_replace
+    assert routes.shape == (batch, seq, layers, config.num_experts_per_tok)
+    assert sorted(hf_routers(hf)) == list(range(dense, layers))
+    assert routed_layers(routes).tolist() == [False] * dense + [True] * (layers - dense)
+
+    def forced_logits():
+        with forced_routes(hf, routes.flatten(0, 1)), torch.no_grad():
+            return hf(input_ids=ids).logits
+
+    assert torch.equal(forced_logits(), own)
+    softmax = lambda router, logits, index: torch.softmax(logits, -1).gather(1, index)  # noqa: E731
+    monkeypatch.setattr(routing, "forced_weights", softmax)
+    assert not torch.equal(forced_logits(), own)
+
+
+@pytest.mark.nightly
+@pytest.mark.layouts(cpu=["dp2ep2"], cuda=[])
+@pytest.mark.parametrize("model", FAMILIES)
+def test_without_replay_families_with_dense_layers_route_otherwise_and_replay_closes_it(policy, device, layout, model,
+                                                                                       report):
+    """As below, for the families with dense first layers, in bf16 (where the trainer's own routing differs
+    from the engine's on these models: rows), the disagreement counted over the MoE layers only."""
+    figures = disagreement(policy, layout, "bf16", model=model, device=device, engine="hf")
+    for metric in ("routing_disagreement", "tokens_routed_differently"):
+        report.add(metric, figures[metric], tolerance=None, passed=True, claim="observed", layout=layout,
+                   model=model, dtype="bf16", engine="hf", pairs=figures["routed_pairs"])
+    agreement = figures["routing_agreement"]
+    report.add("routing_agreement", agreement, tolerance=1.0, passed=agreement == 1.0, claim="exact", layout=layout,
+               model=model, dtype="bf16", engine="hf", tolerance_kind="min")
+    assert agreement == 1.0, figures
 
 
 @pytest.mark.nightly
@@ -176,7 +243,7 @@ def test_the_rl_loop_runs_with_routing_replay(rl_loop, device, layout, engine, r
 
 @pytest.mark.parametrize("args, message", [
     (["--model", "tiny-qwen3"], "needs a Mixture-of-Experts model: tiny-qwen3 is dense"),
-    (["--model", "tiny-glm4-moe"], "routing replay does not support GLM-4.5-MoE (tiny-glm4-moe) yet"),
+    (["--model", "tiny-gpt-oss"], "routing replay does not support gpt-oss (tiny-gpt-oss) yet"),
 ])
 def test_routing_replay_with_what_cannot_replay_is_one_error_before_any_rank(args, message, capsys, tmp_path):
     from harness.cli import main
