@@ -41,34 +41,82 @@ def hf_routers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
     return dict(sorted(found.items()))
 
 
+class _RoutedBy:
+    """Where an HF MoE block picks its experts, for recording and forcing: the router's forward (the
+    transformers 5 releases this harness pins: its gate returns (logits, weights, indices)), or, in
+    earlier 5.x (5.12.1, stack B's venv: GLM-4.5-MoE's and DeepSeek-V3's gate returns the logits only),
+    the block's `route_tokens_to_experts(logits) -> (indices, weights)`, wrapped on the instance."""
+
+    def __init__(self, model: torch.nn.Module, layer: int, router: torch.nn.Module) -> None:
+        self.router = router
+        self.block = model.get_submodule(_block_name(model, router))
+        self.in_block = hasattr(type(self.block), "route_tokens_to_experts")
+
+    def weighing(self):
+        """What `forced_weights` reads the routing constants from: the router, or (in-block routing) the
+        block holding norm_topk_prob and routed_scaling_factor, with the router's expert bias."""
+        if not self.in_block:
+            return self.router
+        from types import SimpleNamespace
+
+        return SimpleNamespace(**{k: getattr(self.block, k) for k in ("norm_topk_prob", "routed_scaling_factor")
+                                  if hasattr(self.block, k)},
+                               **({"e_score_correction_bias": self.router.e_score_correction_bias}
+                                  if hasattr(self.router, "e_score_correction_bias") else {}))
+
+    def hook(self, pick):
+        """Make `pick(logits, indices, weights) -> (indices, weights)` run on every routing of the block;
+        returns the undo."""
+        if not self.in_block:
+            def forward_hook(module, args, output):
+                if not (isinstance(output, tuple) and len(output) == 3 and not output[2].is_floating_point()):
+                    raise TypeError(f"{type(module).__name__} returned {type(output).__name__}, not (logits, "
+                                    "weights, indices): this transformers version routes differently")
+                index, weights = pick(output[0], output[2], output[1])
+                return output[0], weights, index
+
+            return self.router.register_forward_hook(forward_hook).remove
+        original = self.block.route_tokens_to_experts
+
+        def routed(router_logits):
+            index, weights = original(router_logits)
+            return pick(router_logits, index, weights)
+
+        self.block.route_tokens_to_experts = routed
+        return lambda: vars(self.block).pop("route_tokens_to_experts", None)
+
+
+def _block_name(model: torch.nn.Module, router: torch.nn.Module) -> str:
+    return next(name for name, module in model.named_modules() if module is router).rsplit(".", 1)[0]
+
+
 class RoutingRecorder:
-    """Forward hooks on an HF model's routers for the duration of a `with`: every call's top-k
+    """Hooks on an HF model's routing (`_RoutedBy`) for the duration of a `with`: every call's top-k
     indices per layer, in call order. `routes(batch_size, real)` assembles them along the sequence."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.routers = hf_routers(model)
+        self.routed_by = {layer: _RoutedBy(model, layer, router) for layer, router in self.routers.items()}
         self.num_layers = int(getattr(model.config, "num_hidden_layers", max(self.routers) + 1))
         self.calls: dict[int, list[torch.Tensor]] = {layer: [] for layer in self.routers}
         self._hooks: list = []
 
     def __enter__(self) -> "RoutingRecorder":
-        for layer, router in self.routers.items():
-            self._hooks.append(router.register_forward_hook(self._keep(layer)))
+        for layer, routed_by in self.routed_by.items():
+            self._hooks.append(routed_by.hook(self._keep(layer)))
         return self
 
     def __exit__(self, *exc) -> None:
-        for hook in self._hooks:
-            hook.remove()
+        for undo in self._hooks:
+            undo()
         self._hooks.clear()
 
     def _keep(self, layer: int):
-        def hook(module, args, output):
-            if not (isinstance(output, tuple) and len(output) == 3 and not output[2].is_floating_point()):
-                raise TypeError(f"layer {layer}'s router returned {type(output).__name__}, not (logits, "
-                                "weights, indices): this transformers version routes differently")
-            self.calls[layer].append(output[2].detach().to("cpu", torch.int64))
+        def pick(logits, index, weights):
+            self.calls[layer].append(index.detach().to("cpu", torch.int64))
+            return index, weights
 
-        return hook
+        return pick
 
     def routes(self, batch_size: int, real: torch.Tensor) -> torch.Tensor:
         """[B, S, L, K]: each call's [B * s, K] indices (HF flattens batch-major) along the
@@ -181,19 +229,19 @@ def forced_routes(model: torch.nn.Module, routes: torch.Tensor) -> Iterator[None
     """An HF model's routers made to pick `routes` ([tokens, L, K] of what the model is fed in one
     call, HF's flattening; PAD: experts 0..K-1) inside the `with`, each token's weights computed by
     HF's own formula at those experts (`forced_weights`). The ground truth of a replayed routing."""
-    hooks = []
+    undo = []
     k = routes.shape[-1]
     for layer, router in hf_routers(model).items():
         chosen = torch.where(routes[:, layer] >= 0, routes[:, layer], torch.arange(k))
+        routed_by = _RoutedBy(model, layer, router)
 
-        def force(module, args, output, chosen=chosen):
-            logits = output[0]
+        def force(logits, index, weights, chosen=chosen, constants=routed_by.weighing()):
             index = chosen.to(logits.device)
-            return logits, forced_weights(module, logits, index).to(logits.dtype), index
+            return index, forced_weights(constants, logits, index).to(logits.dtype)
 
-        hooks.append(router.register_forward_hook(force))
+        undo.append(routed_by.hook(force))
     try:
         yield
     finally:
-        for hook in hooks:
-            hook.remove()
+        for step in undo:
+            step()
