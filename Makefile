@@ -141,14 +141,18 @@ TEST_B = $(BIN_B)/python -m pytest $(STACK_B_SLICE) --mrh-bridge=megatron-bridge
 # $(RUN_DIR)-side.log, printed once stack A's pass is done: a fresh-clone CI that ran the three one after
 # another (34.3 min) kept the 2 cores busy 63% of its wall time (43.5 min of CPU), the rest being process
 # starts and waits. Every pass's exit status counts; SIDE=0 runs them after stack A's, as before.
+# Stack A's pass runs on two pytest-xdist workers (whole files per worker: a file's tests share their
+# worlds), so the second core does not idle once the side passes end (they took 16 of its 30 min at
+# 16b76fd). The run report merges the workers' rows (harness.report.session); XDIST= runs it in one process.
 SIDE ?= 1
+XDIST ?= -n 2 --dist loadfile
 test:
 	@rc=0; side_log=$(RUN_DIR)-side.log; mkdir -p $(dir $(RUN_DIR)); \
 	side() { side_rc=0; $(BIN)/python -m pytest $(RAY_SLICE) --mrh-launcher=ray --mrh-run-dir=$(RUN_DIR)-ray \
 	  $(PYTEST_ARGS) || side_rc=1; $(if $(STACK_B),$(TEST_B) || side_rc=1;) return $$side_rc; }; \
 	if [ "$(SIDE)" = 1 ]; then echo "the Ray slice$(if $(STACK_B), and stack B's slice) run beside stack A's pass: $$side_log"; \
 	  side > $$side_log 2>&1 & side_pid=$$!; fi; \
-	$(BIN)/python -m pytest suites --mrh-run-dir=$(RUN_DIR) $(if $(STACK_B),--mrh-other-stack=$(BIN_B)/python) \
+	$(BIN)/python -m pytest suites $(XDIST) --mrh-run-dir=$(RUN_DIR) $(if $(STACK_B),--mrh-other-stack=$(BIN_B)/python) \
 	  $(PYTEST_ARGS) || rc=1; \
 	if [ "$(SIDE)" = 1 ]; then wait $$side_pid || rc=1; echo "===== $$side_log ====="; cat $$side_log; \
 	else side || rc=1; fi; \
