@@ -31,11 +31,9 @@ COMPONENTS = inventory.POLICY
 def config_for(layout) -> dict:
     """CONFIG with as many micro-batches as `layout`'s schedule takes: 2, or a multiple of pp under
     the interleaved (VPP) schedule (pp4vpp2 on 4 GPUs refused 2, 2026-11-27)."""
-    import math
-
     from harness.parallel.state import as_layout
 
-    return dict(CONFIG, micro_batches=math.lcm(CONFIG["micro_batches"], as_layout(layout).micro_batch_multiple))
+    return dict(CONFIG, micro_batches=as_layout(layout).fitted_micro_batches(CONFIG["micro_batches"]))
 
 
 # ------------------------------------------------------------------------------ rank side

@@ -50,6 +50,7 @@ explicit ``dp > 1`` is kept and must match the world size exactly.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 from itertools import product
@@ -153,6 +154,10 @@ class Layout:
         interleaved (VPP) schedule runs pp micro-batches per virtual stage in a row, and 0.16.1
         fails deep inside with fewer ("contiguous micro-batches ... should range in [PP, M]")."""
         return self.pp if self.vpp else 1
+
+    def fitted_micro_batches(self, count: int) -> int:
+        """The least multiple of `count` this layout's schedule takes (`micro_batch_multiple`)."""
+        return math.lcm(count, self.micro_batch_multiple)
 
     def check_micro_batches(self, count: Any, what: str = "micro-batch count") -> None:
         """ValueError, before any rank works, unless `count` suits this layout's schedule."""

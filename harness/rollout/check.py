@@ -67,7 +67,7 @@ def step_shape(layout) -> tuple[int, int]:
     """(micro-batches, rows) of the check's training step at `layout` (a resolved Layout): at least 2
     micro-batches and 4 rows, as many as the interleaved schedule (a multiple of pp) and every
     data-parallel rank (rows = a multiple of dp x micro-batches) need."""
-    micro = math.lcm(CONFIG["micro_batches"], layout.micro_batch_multiple)
+    micro = layout.fitted_micro_batches(CONFIG["micro_batches"])
     return micro, math.lcm(len(STEP_PROMPTS), layout.dp * micro)
 
 

@@ -31,14 +31,25 @@ PAD = -1
 _GATE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
 
 
+def _router_names(model: torch.nn.Module) -> dict[int, str]:
+    """Every MoE layer's router name (``...layers.{l}.mlp.gate``) by global layer index."""
+    return dict(sorted((int(m.group(1)), name) for name, _ in model.named_modules() if (m := _GATE.search(name))))
+
+
 def hf_routers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
     """Every MoE layer's router of an HF model (transformers 5: ``model.layers.{l}.mlp.gate``, a
     module returning ``(logits, weights, indices)``), by global layer index."""
-    found = {int(m.group(1)): module for name, module in model.named_modules() if (m := _GATE.search(name))}
+    found = {layer: model.get_submodule(name) for layer, name in _router_names(model).items()}
     if not found:
         raise ValueError(f"{type(model).__name__} has no MoE routers (model.layers.N.mlp.gate): routing is "
                          "recorded and replayed for Mixture-of-Experts models only")
-    return dict(sorted(found.items()))
+    return found
+
+
+def _routed_by(model: torch.nn.Module) -> dict[int, "_RoutedBy"]:
+    """Where each MoE layer picks its experts (`_RoutedBy`), by global layer index."""
+    hf_routers(model)  # the error for a model without routers
+    return {layer: _RoutedBy(model, name) for layer, name in _router_names(model).items()}
 
 
 class _RoutedBy:
@@ -47,9 +58,9 @@ class _RoutedBy:
     earlier 5.x (5.12.1, stack B's venv: GLM-4.5-MoE's and DeepSeek-V3's gate returns the logits only),
     the block's `route_tokens_to_experts(logits) -> (indices, weights)`, wrapped on the instance."""
 
-    def __init__(self, model: torch.nn.Module, layer: int, router: torch.nn.Module) -> None:
-        self.router = router
-        self.block = model.get_submodule(_block_name(model, router))
+    def __init__(self, model: torch.nn.Module, name: str) -> None:
+        self.router = model.get_submodule(name)
+        self.block = model.get_submodule(name.rsplit(".", 1)[0])  # the MoE block (``...mlp``)
         self.in_block = hasattr(type(self.block), "route_tokens_to_experts")
 
     def weighing(self):
@@ -86,19 +97,14 @@ class _RoutedBy:
         return lambda: vars(self.block).pop("route_tokens_to_experts", None)
 
 
-def _block_name(model: torch.nn.Module, router: torch.nn.Module) -> str:
-    return next(name for name, module in model.named_modules() if module is router).rsplit(".", 1)[0]
-
-
 class RoutingRecorder:
     """Hooks on an HF model's routing (`_RoutedBy`) for the duration of a `with`: every call's top-k
     indices per layer, in call order. `routes(batch_size, real)` assembles them along the sequence."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.routers = hf_routers(model)
-        self.routed_by = {layer: _RoutedBy(model, layer, router) for layer, router in self.routers.items()}
-        self.num_layers = int(getattr(model.config, "num_hidden_layers", max(self.routers) + 1))
-        self.calls: dict[int, list[torch.Tensor]] = {layer: [] for layer in self.routers}
+        self.routed_by = _routed_by(model)
+        self.num_layers = int(getattr(model.config, "num_hidden_layers", max(self.routed_by) + 1))
+        self.calls: dict[int, list[torch.Tensor]] = {layer: [] for layer in self.routed_by}
         self._hooks: list = []
 
     def __enter__(self) -> "RoutingRecorder":
@@ -231,9 +237,8 @@ def forced_routes(model: torch.nn.Module, routes: torch.Tensor) -> Iterator[None
     HF's own formula at those experts (`forced_weights`). The ground truth of a replayed routing."""
     undo = []
     k = routes.shape[-1]
-    for layer, router in hf_routers(model).items():
+    for layer, routed_by in _routed_by(model).items():
         chosen = torch.where(routes[:, layer] >= 0, routes[:, layer], torch.arange(k))
-        routed_by = _RoutedBy(model, layer, router)
 
         def force(logits, index, weights, chosen=chosen, constants=routed_by.weighing()):
             index = chosen.to(logits.device)

@@ -156,21 +156,10 @@ def _cp_positions(micro) -> torch.Tensor | None:
 
 def _cp_gathered(tokens: torch.Tensor, micro, device) -> torch.Tensor:
     """[b, s_local, K] routes of this CP rank's columns -> [b, s, K] of the whole micro-batch, from
-    every CP rank's (collective over the CP group; each rank holds the same after)."""
-    import torch.distributed as dist
+    every CP rank's (collective over the CP group; the logprobs' own gather)."""
+    from harness.logprobs.context_parallel import gather_positions
 
-    from harness.logprobs.context_parallel import cp_group
-
-    cp, _, group = cp_group()
-    if cp == 1:
-        return tokens
-    parts = [torch.empty_like(tokens, device=device) for _ in range(cp)]
-    dist.all_gather(parts, tokens.to(device).contiguous(), group=group)
-    b, s = micro.tokens.shape
-    whole = torch.full((b, s, tokens.shape[-1]), PAD, dtype=tokens.dtype)
-    for rank, part in enumerate(parts):
-        whole[:, micro.cp_positions(cp, rank)] = part.cpu()
-    return whole
+    return gather_positions(tokens.to(device), micro.tokens.shape[1], micro.cu_seqlens).cpu()
 
 
 def _next_target(router: _Router, queue: list[torch.Tensor]):
