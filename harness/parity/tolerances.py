@@ -22,8 +22,8 @@ measured for it.
 """
 from __future__ import annotations
 
-from harness.evidence import (CPU_BASELINE, CPU_MOE_APPROXIMATE, CPU_MOE_PARITY, H100_FP8, H100_TP1, H200X2_MOE_TE_A,
-                              H200X2_MOE_TE_B, H200X2_PARITY, cite)
+from harness.evidence import (CPU_BASELINE, CPU_MOE_APPROXIMATE, CPU_MOE_PARITY, H100_FP8, H100_TP1, H100X4_SHAPES,
+                              H200X2_MOE_TE_A, H200X2_MOE_TE_B, H200X2_PARITY, cite)
 from harness.tolerance import CheckResult, Evidence, Tolerance, ToleranceTable, dtype_key
 
 __all__ = ["CheckResult", "Evidence", "FP8", "TABLE", "Tolerance", "all_tolerances", "check",
@@ -47,25 +47,36 @@ def _moe_approximate(metric: str, cpu: float, stack_a: float, stack_b: float, st
                                                          H200X2_MOE_TE_B: stack_b}, statistic, digits, suite="moe")
 
 
+def _shapes(metric: str, figure: float) -> tuple[Evidence, ...]:
+    """The fp32 evaluation of the -shape models' bf16 state on an H100 (suites/models/test_shapes.py): fp32
+    arithmetic at real widths (hidden 2048-4096, intermediate up to 12288), whose longer sums differ more."""
+    where = (("suite", "models"), ("metric", metric), ("extra.evaluated_in", "fp32"), ("extra.variant", None))
+    return cite(where, {H100X4_SHAPES: figure})
+
+
 _TABLE: tuple[Tolerance, ...] = (
     # ---- fp32 (both regimes): the same math, only summation order differs -------------------
-    Tolerance("max_abs", "fp32", 1e-5, "max",
-              rationale="1.7x the worst measured (the Qwen3-0.6B shape on an H100; tiny models on "
-                        "CPU 2.9e-6)",
+    # Issue 37 widened max_abs and mean_abs 2x and 2.5x: at Qwen3-8B's widths fp32 differs more (2.26e-6 mean)
+    # than at the 0.6B shape's, which set them before; the fp32-caught controls stay >= 195x past them.
+    Tolerance("max_abs", "fp32", 2e-5, "max",
+              rationale="2.6x the worst measured (qwen3-8b-shape at tp2 on an H100, 7.6e-6; the Qwen3-0.6B "
+                        "shape 5.7e-6; tiny models on CPU 2.9e-6)",
               evidence=_evidence("max_abs", "fp32", "any",
                                  {CPU_BASELINE: 2.9e-06, H100_TP1: 5.7e-06, H200X2_PARITY: 5.7e-06})
-              + _evidence("max_abs", "fp32", "any", {CPU_MOE_PARITY: 9.5e-07}, suite="moe")),
-    Tolerance("mean_abs", "fp32", 2e-6, "max",
-              rationale="1.2x the worst measured (the Qwen3-0.6B shape on an H100); tiny models "
-                        "4x below it",
+              + _evidence("max_abs", "fp32", "any", {CPU_MOE_PARITY: 9.5e-07}, suite="moe")
+              + _shapes("max_abs", 7.6e-06)),
+    Tolerance("mean_abs", "fp32", 5e-6, "max",
+              rationale="2.2x the worst measured (qwen3-8b-shape at tp1 on an H100, 2.26e-6; the Qwen3-0.6B "
+                        "shape 1.7e-6); tiny models 10x below it",
               evidence=_evidence("mean_abs", "fp32", "any",
                                  {CPU_BASELINE: 5.0e-07, H100_TP1: 1.7e-06, H200X2_PARITY: 1.7e-06})
-              + _evidence("mean_abs", "fp32", "any", {CPU_MOE_PARITY: 2.3e-07}, suite="moe")),
-    Tolerance("token_mult_prob_error", "fp32", 1 + 1e-5, "max", ideal=1.0,
-              rationale="mean exp(|d|) ~ 1 + mean|d| for small d; max_abs <= 1e-5 bounds it by "
-                        "~1 + 1e-5", derived_from=("max_abs",)),
-    Tolerance("kl_k3", "fp32", 1e-10, "max",
-              rationale="k3 = exp(r) - 1 - r ~ r^2/2, so max_abs 1e-5 bounds it by 5e-11; 1e-10 "
+              + _evidence("mean_abs", "fp32", "any", {CPU_MOE_PARITY: 2.3e-07}, suite="moe")
+              + _shapes("mean_abs", 2.3e-06)),
+    Tolerance("token_mult_prob_error", "fp32", 1 + 2e-5, "max", ideal=1.0,
+              rationale="mean exp(|d|) ~ 1 + mean|d| for small d; max_abs <= 2e-5 bounds it by "
+                        "~1 + 2e-5", derived_from=("max_abs",)),
+    Tolerance("kl_k3", "fp32", 4e-10, "max",
+              rationale="k3 = exp(r) - 1 - r ~ r^2/2, so max_abs 2e-5 bounds it by 2e-10; 4e-10 "
                         "is 2x that", derived_from=("max_abs",)),
     Tolerance("top1_agreement", "fp32", 0.99, "min", ideal=1.0,
               rationale="a flip needs a top-2 logprob gap below the fp32 error (~1e-6); none was "

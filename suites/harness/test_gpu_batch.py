@@ -1,6 +1,6 @@
 """ci/gpu_batch.sh, the device-side driver that runs several suites per device call: each job on its own
 GPUs with its pytest arguments as written, the benches' JSON kept, everything packed into one file, and
-no job started past BATCH_LIMIT (a call the device tool kills comes back with nothing). Run with a stub
+each job's files packed as it ends, no job started past BATCH_LIMIT (a call the device tool kills comes back with nothing). Run with a stub
 python3 (nothing is installed and no suite runs), as suites/report/test_git_revision.py runs device_run.sh."""
 from __future__ import annotations
 
@@ -63,12 +63,17 @@ def test_each_job_runs_on_its_gpus_with_its_arguments_and_everything_comes_back_
     assert args[args.index("--mrh-report-dir") + 1] == f"{out}/rows-wide"
     assert starts["suites/y"][0] == "2,3"
     assert [p.name for p in out.iterdir()] == ["batch.tgz"]
-    with tarfile.open(out / "batch.tgz") as packed:
-        assert packed.extractfile("./bench-echo.json").read().decode().strip() == '{"ok": 1}'
+    with tarfile.open(out / "batch.tgz") as packed:  # a job's files are in its own archive, packed as it ends
+        assert sorted(n for n in packed.getnames() if n.endswith(".tgz")) == [
+            "./bench-echo.tgz", "./narrow.tgz", "./wide.tgz"]
+        with tarfile.open(fileobj=packed.extractfile("./bench-echo.tgz")) as job:
+            assert job.extractfile("bench-echo.json").read().decode().strip() == '{"ok": 1}'
+        with tarfile.open(fileobj=packed.extractfile("./wide.tgz")) as job:
+            assert "wide.log" in job.getnames()
 
 
 def test_no_job_starts_past_the_batch_limit(tmp_path):
-    done, seen, out = _batch(tmp_path, limit=40)  # 40 s - 15 s for the packing leaves < 30 s: nothing runs
+    done, seen, out = _batch(tmp_path, limit=110)  # 110 s - the 90 s margin leaves < 30 s: nothing runs
     assert done.returncode == 0, done.stderr
     assert _pytest_starts(seen) == []
     assert all(f"gpu_batch: {name} skipped" in done.stdout for name in ("bench-echo", "wide", "narrow"))

@@ -73,6 +73,33 @@ def _wait_for_release(marker: str, release: str) -> str:
     return f"abandoned call on rank {context().rank}"
 
 
+_LEFT_BEHIND: dict = {}
+
+
+def _raise_holding_a_tensor_in_a_cycle() -> None:
+    """Fails with a tensor that only a garbage collection frees (a reference cycle in its frame), with
+    the automatic collection off, so that nothing but the rank's own clean-up can free it."""
+    import gc
+    import weakref
+
+    import torch
+
+    gc.disable()
+    held = [torch.ones(1024, device=context().device)]
+    held.append(held)
+    _LEFT_BEHIND["tensor"] = weakref.ref(held[0])
+    raise RuntimeError("failed while holding a tensor")
+
+
+def _left_behind_is_freed() -> bool:
+    import gc
+
+    try:
+        return _LEFT_BEHIND.pop("tensor")() is None
+    finally:
+        gc.enable()
+
+
 def _unpicklable_result():
     return lambda: None
 
@@ -121,6 +148,14 @@ def test_rank_exception_is_reraised_with_rank_and_traceback(world):
     # Every rank answered, so the world is intact and keeps its processes.
     assert world.alive and world.pids == pids
     assert world.run(_rank_and_sum, 0)[0] == (0, 3.0)
+
+
+def test_a_failed_call_leaves_nothing_it_allocated_behind(world):
+    """A rank frees a failed call's objects, cycles included, before the next call (and on CUDA hands its
+    cached blocks back): a persistent world must not carry a failed test's memory into the next one."""
+    with pytest.raises(RuntimeError, match="failed while holding a tensor"):
+        world.run(_raise_holding_a_tensor_in_a_cycle)
+    assert world.run(_left_behind_is_freed) == [True] * world.size
 
 
 def test_failure_while_other_ranks_hang_restarts_the_world(world):

@@ -75,16 +75,18 @@ def test_a_moe_policy_steps_under_cp_with_experts_over_dp_x_cp(policy, device, s
     exchange their tokens): both steps equal the ground truth's within the bounds of the dtype.
     On the CPU tier in fp32 (gathered-kv attention) both steps are within 1e-6 (grad norm 8e-7): the
     CP x EP path itself (the feed, the dispatch across CP ranks, the loss, the reductions) is exact.
-    Open on CUDA (TE, bf16; 4x H100, 79563903): step 1 within 0.9%, step 2's grad norm 17.7% off (stack B
-    17.1%), while dp2ep2 is within 0.024% and dense cp2 passes both. Not only route flips: replaying the
-    ground truth's routes brings stack B to 1.7% but leaves stack A at 16.1% (next test). The ground truth's
-    step 2 clips 71 of 95 tokens, and a bf16 ratio crossing the clip boundary moves the grad norm by that
-    token's share (CPU, bf16: one token at dp2ep2, cp2ep2 and dp2 alike, 3-5%); the failure prints both
-    clip fractions (docs/context-parallel.md). `unclipped`: the same steps with the ratio clip out of reach
-    (harness.training.invariance.UNCLIPPED, against a ground truth trained so): rounding alone."""
+    In bf16 (TE, CUDA) the ratio clip makes step 2 a cliff, not a bound: the ground truth's step 2 clips 71
+    of 95 loss tokens, and one token whose bf16 ratio lands on the other side of the clip boundary takes its
+    whole share of the gradient with it (4x H100, stack A, da99309: clip fraction 0.7579 vs 0.7474, one
+    token, grad norm 17.7% off; stack B 17.1%; CPU bf16: one token, 3-5%). So bf16 runs `unclipped` (the
+    same steps with the ratio clip out of reach, harness.training.invariance.UNCLIPPED, against a ground
+    truth trained so): rounding alone, which passes on CUDA (same run). docs/context-parallel.md."""
     from harness.training.invariance import LOSS, UNCLIPPED
     from suites.training.test_policy import _check
 
+    if clip == "ratio-clip" and _dtype(spec) == "bf16":
+        pytest.skip("bf16 with the ratio clip: one token across the clip boundary moves step 2's grad norm by "
+                    "its whole share (17.7%, 4x H100, da99309); bf16 is held by the unclipped case")
     _check(policy, layout, report, model="tiny-qwen3-moe", dtype=_dtype(spec),
            loss=UNCLIPPED if clip == "unclipped" else LOSS)
 
@@ -95,17 +97,20 @@ def test_a_moe_step_under_cp_replaying_the_ground_truths_routes_tracks_it(policy
     step routes by itself, the second replays the routes the ground truth's routers took for its second
     step. Both steps' loss and grad norm within the bounds of the dtype, and the replay taken exactly.
     The routes the policy would have picked by itself at the second step are a row (how far its own
-    routing drifted from the ground truth's after one update in this dtype)."""
+    routing drifted from the ground truth's after one update in this dtype). In bf16 the steps run without
+    the ratio clip (UNCLIPPED: the previous test says why; stack A on TE with the clip: 16.1% at step 2
+    though every replayed route was taken), in fp32 with it."""
     from harness.rollout.routing import routing_agreement
     from harness.tolerance import CheckResult
-    from harness.training.invariance import ground_truth, ground_truth_routes, policy_config
+    from harness.training.invariance import LOSS, UNCLIPPED, ground_truth, ground_truth_routes, policy_config
     from harness.training.routing_replay import train_with_routes
     from harness.training.tolerances import training_tolerance
 
     model, dtype = "tiny-qwen3-moe", _dtype(spec)
-    batches, expected, _ = ground_truth(model)
-    truth = ground_truth_routes(model, 1)
-    worker = policy(layout, model, **policy_config(micro_batches=2, dtype=dtype), routing_replay=True)
+    loss = UNCLIPPED if dtype == "bf16" else LOSS
+    batches, expected, _ = ground_truth(model, loss)
+    truth = ground_truth_routes(model, 1)  # step 1's update clips nothing (its ratios are within 2%): either loss
+    worker = policy(layout, model, **policy_config(micro_batches=2, dtype=dtype, loss=loss), routing_replay=True)
     first = train_with_routes(worker, batches[0], None)["stats"]
     second = train_with_routes(worker, batches[1], truth)
     real = batches[1].batch.attention_mask.bool()
