@@ -116,10 +116,12 @@ def test_table_is_complete_and_every_entry_has_an_origin():
 
 
 def test_exact_bf16_is_as_tight_as_fp32_and_approximate_is_looser():
+    """Exact bf16 is held at least as tight as fp32 (fp32's bounds widened for real widths, issue 37; the exact
+    regime's bf16 logprobs differ only by the fp32 log-softmax, 10x below them)."""
     for metric in METRICS:
         fp32, exact = tolerance(metric, "fp32"), tolerance(metric, "bf16", "exact")
         approximate = tolerance(metric, "bf16", "approximate")
-        assert exact.limit == fp32.limit
+        assert (exact.limit <= fp32.limit) if fp32.kind == "max" else (exact.limit >= fp32.limit)
         assert (fp32.limit < approximate.limit) if fp32.kind == "max" else (fp32.limit > approximate.limit)
         assert tolerance(metric, "fp32", "approximate") is fp32  # fp32 bounds hold in both regimes
 
