@@ -36,6 +36,24 @@ def config_for(layout) -> dict:
     return dict(CONFIG, micro_batches=as_layout(layout).fitted_micro_batches(CONFIG["micro_batches"]))
 
 
+REFERENCE_PROMPTS, REFERENCE_RESPONSES = (3, 6), (9, 5)  # token lengths of the reference batch's rows, cycled
+
+
+def reference_batch(layout):
+    """The reference round trip's batch (suites/offload/test_reference.py) at `layout` (resolved):
+    2 rows, or as many as its data-parallel ranks split into the fewest micro-batches its schedule
+    runs (what `ReferenceHandle.logprobs` feeds): 4 at dp4 and pp2vpp2dp2, which refused 2 (2026-11-27)."""
+    from harness.models import TINY_VOCAB_SIZE
+    from harness.parallel.state import as_layout
+    from harness.training import make_rl_train_batch
+
+    layout = as_layout(layout)
+    rows = layout.fitted_rows(len(REFERENCE_PROMPTS), layout.micro_batch_multiple)
+    cycled = lambda lengths: [lengths[i % len(lengths)] for i in range(rows)]  # noqa: E731
+    return make_rl_train_batch(TINY_VOCAB_SIZE, batch_size=rows, seed=3, prompt_lengths=cycled(REFERENCE_PROMPTS),
+                               response_lengths=cycled(REFERENCE_RESPONSES)).batch
+
+
 # ------------------------------------------------------------------------------ rank side
 def digests(worker) -> dict[str, str]:
     """sha256 of every storage of every component, by slot name: "freed" when it holds no bytes,

@@ -159,6 +159,11 @@ class Layout:
         """The least multiple of `count` this layout's schedule takes (`micro_batch_multiple`)."""
         return math.lcm(count, self.micro_batch_multiple)
 
+    def fitted_rows(self, rows: int, micro_batches: int) -> int:
+        """The least multiple of `rows` that every data-parallel rank splits into `micro_batches`
+        equal micro-batches (a multiple of dp * micro_batches: dp4 refused 2 rows, 2026-11-27)."""
+        return math.lcm(rows, self.dp * micro_batches)
+
     def check_micro_batches(self, count: Any, what: str = "micro-batch count") -> None:
         """ValueError, before any rank works, unless `count` suits this layout's schedule."""
         if not _is_positive_int(count):

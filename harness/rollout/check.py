@@ -16,7 +16,6 @@ untied from the start: only (b) sees it, a tied engine reports its embedding onc
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -68,7 +67,7 @@ def step_shape(layout) -> tuple[int, int]:
     micro-batches and 4 rows, as many as the interleaved schedule (a multiple of pp) and every
     data-parallel rank (rows = a multiple of dp x micro-batches) need."""
     micro = layout.fitted_micro_batches(CONFIG["micro_batches"])
-    return micro, math.lcm(len(STEP_PROMPTS), layout.dp * micro)
+    return micro, layout.fitted_rows(len(STEP_PROMPTS), micro)
 
 
 def padded_logprobs(policy, batch, temperature: float) -> torch.Tensor:

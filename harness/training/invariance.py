@@ -38,8 +38,15 @@ UNCLIPPED = dict(LOSS, clip_eps=1e9, clip_eps_high=1e9)
 
 
 def policy_config(*, micro_batches: int = 2, dtype: str = "fp32", variant: str | None = None,
-                  loss: dict[str, Any] = LOSS) -> dict[str, Any]:
-    """The PolicyConfig fields the ground truth trains with (`loss`: LOSS, or UNCLIPPED)."""
+                  loss: dict[str, Any] = LOSS, layout=None) -> dict[str, Any]:
+    """The PolicyConfig fields the ground truth trains with (`loss`: LOSS, or UNCLIPPED). With a `layout`,
+    the least multiple of `micro_batches` its schedule takes (Layout.fitted_micro_batches: pp4vpp2 refused
+    2, 2026-11-27); the comparison holds at any count, the loss being normalised by the global batch's
+    tokens (suites/training/test_policy.py: 1 and 4 against the ground truth's 2)."""
+    if layout is not None:
+        from harness.parallel.state import as_layout
+
+        micro_batches = as_layout(layout).fitted_micro_batches(micro_batches)
     return dict(OPTIM, micro_batches=micro_batches, loss_kwargs=dict(loss), variant=variant, dtype=dtype)
 
 
@@ -49,18 +56,25 @@ def ground_truth(model: str = MODEL, loss: dict[str, Any] | None = None):
     return _ground_truth(model, tuple(sorted((LOSS if loss is None else loss).items())))
 
 
+def train_batch(model: str = MODEL):
+    """The ground truth's global batch (a row per PROMPTS entry) before its on-policy old logprobs."""
+    from harness.models import load_hf_config, resolve_model
+    from harness.training.rl_data import make_rl_train_batch
+
+    vocab = load_hf_config(resolve_model(model)).vocab_size
+    return make_rl_train_batch(vocab, batch_size=len(PROMPTS), seed=0, prompt_lengths=PROMPTS,
+                               response_lengths=RESPONSES)
+
+
 @functools.lru_cache(maxsize=4)
 def _ground_truth(model: str, loss: tuple):
     from harness.logprobs import hf_logprobs
-    from harness.models import build_hf_model, load_hf_config, resolve_model
+    from harness.models import build_hf_model
     from harness.models.zoo import checkpoint_state_dict
     from harness.training.ground_truth import GroundTruthTrainer
-    from harness.training.rl_data import make_rl_train_batch
 
     hf = build_hf_model(model, dtype=torch.float32, seed=0)
-    vocab = load_hf_config(resolve_model(model)).vocab_size
-    tb = make_rl_train_batch(vocab, batch_size=8, seed=0, prompt_lengths=PROMPTS,
-                             response_lengths=RESPONSES)
+    tb = train_batch(model)
     # On-policy old logprobs, perturbed so that both clipping branches occur in step 2.
     with torch.no_grad():
         tb = tb.with_old_logprobs(hf_logprobs(hf, tb.batch) + 0.02 * tb.advantages.sign())

@@ -438,6 +438,22 @@ def test_validate_rejects_bad_world_size() -> None:
         validate(Layout(), 0)
 
 
+@pytest.mark.parametrize("layout, micro_batches, rows", [
+    (Layout(tp=2), 2, 2),
+    (Layout(dp=4), 1, 4),  # 2 rows do not split over 4 data-parallel ranks
+    (Layout(pp=2, vpp=2, dp=2), 2, 4),
+    (Layout(pp=4, vpp=2), 4, 4),
+])
+def test_fitted_rows_split_over_data_parallel_ranks_and_micro_batches(layout: Layout, micro_batches: int,
+                                                                      rows: int) -> None:
+    assert layout.fitted_rows(2, micro_batches) == rows
+
+
+def test_fitted_micro_batches_are_the_least_multiple_the_schedule_takes() -> None:
+    assert [Layout(pp=4).fitted_micro_batches(2), Layout(pp=2, vpp=2).fitted_micro_batches(1),
+            Layout(pp=4, vpp=2).fitted_micro_batches(2), Layout(pp=4, vpp=2).fitted_micro_batches(8)] == [2, 2, 4, 8]
+
+
 # ------------------------------------------------------------------------- enumeration
 
 

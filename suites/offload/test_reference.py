@@ -5,20 +5,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.models import TINY_VOCAB_SIZE
-from harness.training import make_rl_train_batch
 from harness.offload import OffloadedError
-from harness.offload.check import MODEL
+from harness.offload.check import MODEL, reference_batch
+from harness.pytest_plugin.worlds import skip_invalid_layout
 
 CYCLES = 3
 
 
-@pytest.mark.layouts(cpu=["tp2", "pp2"], cuda="all")
+# 4 ranks on the CPU tier nightly: the batch's rows follow the layout (harness.offload.check.reference_batch),
+# as on 4 GPUs.
+@pytest.mark.layouts(cpu=["tp2", "pp2"] + [pytest.param(name, marks=pytest.mark.nightly)
+                                           for name in ("dp4", "pp2vpp2dp2", "pp4vpp2")], cuda="all")
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_reference_round_trip_is_exact_and_logprobs_unchanged(reference, device, layout, dtype, report):
-    ref = reference(layout, MODEL, dtype=torch.float32 if dtype == "fp32" else torch.bfloat16)
-    batch = make_rl_train_batch(TINY_VOCAB_SIZE, batch_size=2, seed=3, prompt_lengths=[3, 6],
-                                response_lengths=[9, 5]).batch
+    with skip_invalid_layout():  # pp4vpp2 (8 virtual stages) on a 4-layer model
+        ref = reference(layout, MODEL, dtype=torch.float32 if dtype == "fp32" else torch.bfloat16)
+    batch = reference_batch(ref.layout)
     before = ref.logprobs(batch)
     first = None
     for cycle in range(CYCLES):

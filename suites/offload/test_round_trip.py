@@ -9,8 +9,12 @@ from __future__ import annotations
 import pytest
 
 from harness.offload.check import MODEL, config_for, residual, round_trip
+from harness.pytest_plugin.worlds import skip_invalid_layout
 
 DTYPES = ("fp32", "bf16")
+# What 4 GPUs' `cuda="all"` gives that tiny-qwen3-kv4 (4 layers) cannot take: its 8 virtual stages skip with
+# the reason, on the CPU tier nightly as there.
+PP4VPP2 = pytest.param("pp4vpp2", marks=pytest.mark.nightly)
 
 
 def _checked(result, report, **fields):
@@ -20,10 +24,12 @@ def _checked(result, report, **fields):
     assert moved and all(r.extra["theory_bytes"] > 0 for r in moved), "nothing was offloaded"
 
 
-@pytest.mark.layouts(cpu=["dp2", "tp2", "pp2"], cuda="all")
+@pytest.mark.layouts(cpu=["dp2", "tp2", "pp2", PP4VPP2], cuda="all")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_offload_frees_and_reload_restores_exactly(policy, device, layout, dtype, report):
-    _checked(round_trip(policy, layout, dtype, device=device), report)
+    with skip_invalid_layout():  # pp4vpp2 (8 virtual stages) on a 4-layer model
+        result = round_trip(policy, layout, dtype, device=device)
+    _checked(result, report)
 
 
 @pytest.mark.layouts(cpu=["pp2"], cuda=["pp2"])
@@ -33,14 +39,15 @@ def test_tied_embeddings_under_pipeline_parallelism(policy, device, layout, repo
              model="tiny-qwen3-tied")
 
 
-@pytest.mark.layouts(cpu=["dp2"], cuda="all")
+@pytest.mark.layouts(cpu=["dp2", PP4VPP2], cuda="all")
 def test_a_full_offload_leaves_only_what_no_component_owns(policy, device, layout, report):
     """After offloading everything and clearing the caches no component owns (RoPE, Megatron's
     global buffer, cuBLAS workspaces), no component holds a byte; on CUDA every byte still
     allocated is a live tensor the census names (the residual, itemised, is a report row)."""
     from harness.checkpoint.resume_check import train_batch
 
-    worker = policy(layout, MODEL, **config_for(layout))
+    with skip_invalid_layout():  # pp4vpp2 (8 virtual stages) on a 4-layer model
+        worker = policy(layout, MODEL, **config_for(layout))
     worker.step(train_batch(0))
     worker.offload()
     for rank, found in enumerate(worker.apply(residual)):

@@ -19,9 +19,13 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from harness.checkpoint.resume_check import train_batch
 from harness.offload import POLICY, OffloadedError, OffloadRefused
-from harness.offload.check import CONFIG, MODEL, digests
+from harness.offload.check import MODEL, config_for, digests
+from harness.pytest_plugin.worlds import skip_invalid_layout
 
 STEPS = 4  # steps the plain run records (a machine stops stepping there)
+# What 4 GPUs' `cuda="all"` gives that tiny-qwen3-kv4 (4 layers) cannot take: its 8 virtual stages skip with
+# the reason, on the CPU tier nightly as there.
+PP4VPP2 = pytest.param("pp4vpp2", marks=pytest.mark.nightly)
 SUBSETS = st.sets(st.sampled_from(POLICY), min_size=1)
 
 
@@ -35,7 +39,8 @@ def _plain(policy, layout, dtype, cache) -> list[tuple[dict, list]]:
     device's and spec's `reference_runs`."""
     key = ("offload-plain", layout, dtype)
     if key not in cache:
-        plain = policy(layout, MODEL, **CONFIG, dtype=dtype)
+        with skip_invalid_layout():  # pp4vpp2 (8 virtual stages) on a 4-layer model
+            plain = policy(layout, MODEL, **config_for(layout), dtype=dtype)
         cache[key] = [(plain.step(train_batch(k)), _trained(plain.apply(digests))) for k in range(STEPS)]
         plain.close()
     return cache[key]
@@ -101,7 +106,7 @@ class OffloadMachine(RuleBasedStateMachine):
             with pytest.raises(OffloadedError):
                 self.policy.accumulate(chunk)
             return
-        if len(self.open) < CONFIG["micro_batches"]:
+        if len(self.open) < self.policy.config["micro_batches"]:
             self.policy.accumulate(chunk)
             self.open += chunk
         else:
@@ -148,7 +153,7 @@ def _run_machine(policy, layout, dtype, tmp_path_factory, cache, examples, steps
     plain = _plain(policy, layout, dtype, cache)
 
     def make():
-        return policy(layout, MODEL, **CONFIG, dtype=dtype), plain, tmp_path_factory.mktemp("sm")
+        return policy(layout, MODEL, **config_for(layout), dtype=dtype), plain, tmp_path_factory.mktemp("sm")
 
     compared: list = []
     machine = type("Machine", (OffloadMachine,), {"make": staticmethod(make), "compared": compared})
@@ -159,33 +164,35 @@ def _run_machine(policy, layout, dtype, tmp_path_factory, cache, examples, steps
     assert len(compared) >= examples, f"only {len(compared)} steps were compared with the plain run"
 
 
-@pytest.mark.layouts(cpu=["dp2"], cuda="all")
+@pytest.mark.layouts(cpu=["dp2", PP4VPP2], cuda="all")
 def test_offload_cycles_change_no_training_step(policy, device, layout, tmp_path_factory, reference_runs):
     _run_machine(policy, layout, "fp32", tmp_path_factory, reference_runs, examples=6, steps=20)
 
 
 @pytest.mark.nightly
-@pytest.mark.layouts(cpu=["dp2", "tp2", "pp2"], cuda="all")
+@pytest.mark.layouts(cpu=["dp2", "tp2", "pp2", "pp4vpp2"], cuda="all")
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_offload_cycles_change_no_training_step_nightly(policy, device, layout, dtype, tmp_path_factory,
                                                        reference_runs):
     _run_machine(policy, layout, dtype, tmp_path_factory, reference_runs, examples=12, steps=24)
 
 
-@pytest.mark.layouts(cpu=["dp2", "tp2", "pp2"], cuda="all")
+@pytest.mark.layouts(cpu=["dp2", "tp2", "pp2", PP4VPP2], cuda="all")
 def test_a_step_accumulated_across_calls_equals_one_call(policy, device, layout):
-    """begin_step / accumulate / finish_step is train_step bit for bit (2 micro-batches: the
-    per-call loss scale is an exact power-of-two rescaling)."""
-    whole = policy(layout, MODEL, **CONFIG)
+    """begin_step / accumulate / finish_step is train_step bit for bit (config_for's micro-batches: 2
+    wherever the schedule takes 2, so the per-call loss scale is an exact power-of-two rescaling)."""
+    config = config_for(layout)
+    with skip_invalid_layout():  # pp4vpp2 (8 virtual stages) on a 4-layer model
+        whole = policy(layout, MODEL, **config)
     want = [whole.step(train_batch(k)) for k in range(2)]
     want_digest = _trained(whole.apply(digests))
     whole.close()
-    split = policy(layout, MODEL, **CONFIG)
+    split = policy(layout, MODEL, **config)
     got = []
     for k in range(2):
         split.begin_step(train_batch(k))
         chunk = split.layout.micro_batch_multiple  # 1, or pp under VPP
-        for first in range(0, CONFIG["micro_batches"], chunk):
+        for first in range(0, config["micro_batches"], chunk):
             split.accumulate(range(first, first + chunk))
         got.append(split.finish_step())
     assert [(g["loss"], g["grad_norm"]) for g in got] == [(w["loss"], w["grad_norm"]) for w in want]

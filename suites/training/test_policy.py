@@ -25,9 +25,12 @@ def _check(policy, layout, report, **kwargs):
 
 def _compare(policy, layout, report, micro_batches=2, variant=None, model=MODEL, dtype="fp32",
              world_size=None, loss=LOSS):
+    # The micro-batches the layout's schedule takes, so a layout the model cannot take (pp4vpp2 on 4 layers)
+    # reaches the model's check and skips, rather than failing on the count first.
+    config = policy_config(micro_batches=micro_batches, dtype=dtype, variant=variant, loss=loss, layout=layout)
+    micro_batches = config["micro_batches"]
     with skip_invalid_layout():  # e.g. pp4vpp2 on a 4-layer model
-        worker = policy(layout, model, world_size=world_size,
-                        **policy_config(micro_batches=micro_batches, dtype=dtype, variant=variant, loss=loss))
+        worker = policy(layout, model, world_size=world_size, **config)
     result = compare_to_ground_truth(worker, model=model)
     report.extend(result.rows(model, micro_batches=micro_batches, **({} if loss is LOSS else {"loss": "unclipped"})))
     for got in result.steps:
@@ -42,8 +45,13 @@ def _compare(policy, layout, report, micro_batches=2, variant=None, model=MODEL,
     return result
 
 
+# What 4 GPUs' `cuda="all"` gives that tiny-qwen3 (4 layers) cannot take: its 8 virtual stages skip with the
+# reason (after the micro-batches are fitted to the schedule), on the CPU tier nightly as there.
+PP4VPP2 = pytest.param("pp4vpp2", marks=pytest.mark.nightly)
+
+
 # CPU: the issue's layouts (2 ranks; tp2pp2 below). GPU: every valid layout of the machine's GPUs.
-@pytest.mark.layouts(cpu=["dp2", "tp2", "pp2"], cuda="all")
+@pytest.mark.layouts(cpu=["dp2", "tp2", "pp2", PP4VPP2], cuda="all")
 def test_policy_steps_match_ground_truth(policy, device, layout, report):
     _check(policy, layout, report)
 
@@ -73,7 +81,7 @@ def test_tied_embeddings_stay_identical_under_pp(policy, device, report):
 
 # bf16 weights (fp32 main params, grads reduced in fp32) against the fp32 ground truth: the
 # differences are bf16 rounding, bounded by the measured bf16 rows of the training tolerance table.
-@pytest.mark.layouts(cpu=["tp2", "pp2"], cuda="all")
+@pytest.mark.layouts(cpu=["tp2", "pp2", PP4VPP2], cuda="all")
 def test_bf16_policy_steps_track_the_ground_truth(policy, device, layout, report):
     _check(policy, layout, report, dtype="bf16")
 
