@@ -66,10 +66,11 @@ def test_every_figure_moving_within_its_own_bound_compares_clean(tmp_path: Path,
 def test_a_row_past_its_bound_exits_1(tmp_path: Path, baseline, capsys) -> None:
     current = copy.deepcopy(baseline)
     past = find(current, "max_abs")
-    past.update(value=1.9e-5, passed=False)  # the test recorded it failing its 1e-5 bound
+    past.update(value=1.9 * past["tolerance"], passed=False)  # the test recorded it failing its bound
     result = compare_runs(baseline, current)
     assert [c.current for c in result.regressions] == [past]
-    assert result.regressions[0].reasons == ["past its own bound: 1.9e-05 vs bound 1e-05"]
+    assert result.regressions[0].reasons == [f"past its own bound: {1.9 * past['tolerance']:.3g} vs bound "
+                                             f"{past['tolerance']:.3g}"]
     assert _exit(tmp_path, baseline, current) == 1
     out = capsys.readouterr().out
     assert "**REGRESSED**: 1 rows regressed" in out
