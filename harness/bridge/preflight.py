@@ -28,7 +28,7 @@ What is refused, and why each would otherwise go wrong without an error:
   dense. MTP layers (`num_nextn_predict_layers`) are ignored explicitly, as HF's causal LM ignores them:
   neither side computes them, and their checkpoint tensors (`model.layers.<num_hidden_layers + i>.*`) are
   not loaded (`glm4_moe_mtp_layers`);
-- DeepSeek-V3 (mbridge only): a router megatron-core cannot reproduce (norm_topk_prob=False, a group
+- DeepSeek-V3 (both bridges; Megatron-Bridge since issue 37's stack-B port): a router megatron-core cannot reproduce (norm_topk_prob=False, a group
   score other than HF's top 2, n_group not dividing the experts), no shared experts, no low-rank query,
   plain-halves RoPE, MTP layers, an FP8-quantised checkpoint, a YaRN without every value megatron-core
   takes (`_yarn_values`); MLA's TP splits are layout checks (`harness.parallel.layout`);
@@ -70,10 +70,11 @@ MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3
 # registers Qwen2MoeForCausalLM; its qwen package has Qwen2, Qwen3, Qwen3-MoE, Qwen3-Next, Qwen3.5).
 # GLM-4.5-MoE (issue 37): mbridge's GLM4MoEBridge (override 14) and Megatron-Bridge's GLM45Bridge (its routed
 # experts' SequentialMLP names added: harness.compat.megatron_bridge.GLM45_LOCAL_EXPERTS).
+# DeepSeek-V3 (issue 37): mbridge's DeepseekV3Bridge (overrides 15-17) and Megatron-Bridge's DeepSeekV3Bridge (MLA's
+# local core attention and rope-key gradient from harness.compat.megatron_core, the router settings of override 16:
+# harness.bridge.backends.megatron_bridge).
 BRIDGE_MODEL_TYPES = {"mbridge": SUPPORTED_MODEL_TYPES,
-                      "megatron-bridge": ("llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe")}
-# DeepSeek-V3 (issue 37) is converted and tested on mbridge only: on Megatron-Bridge it is refused by name
-# (untested there, not claimed).
+                      "megatron-bridge": ("llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3")}
 # Why a bridge refuses a family it has a bridge class for (appended to the refusal).
 BRIDGE_REFUSAL_REASONS = {
     ("megatron-bridge", "gemma3_text"): "Megatron-Bridge 0.6.2's Gemma3ModelBridge builds Transformer Engine "
@@ -269,8 +270,9 @@ def _yarn_values(params: Mapping[str, Any]) -> dict[str, float]:
 
 
 def _unsupported_deepseek_v3(hf_config: PretrainedConfig) -> list[str]:
-    """What mbridge 0.15.1's DeepseekV3Bridge with megatron-core 0.16.1 would build otherwise than HF's
-    DeepseekV3ForCausalLM (the harness's overrides 15 and 16 included)."""
+    """What mbridge 0.15.1's DeepseekV3Bridge with megatron-core 0.16.1 (the harness's overrides 15 and 16
+    included), or Megatron-Bridge 0.6.2's DeepSeekV3Bridge with megatron-core 0.19.2 (the same router settings),
+    would build otherwise than HF's DeepseekV3ForCausalLM."""
     found = []
     experts, top_k = hf_config.n_routed_experts, hf_config.num_experts_per_tok
     groups, group_top_k = getattr(hf_config, "n_group", None) or 1, getattr(hf_config, "topk_group", None) or 1

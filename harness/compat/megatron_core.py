@@ -550,7 +550,8 @@ def _copying_output(forward):
 # q/k head of nope + rope and the v head) to its core attention, which TE's DotProductAttention takes and
 # the local DotProductAttention does not (TypeError: unexpected keyword argument 'k_channels'); and the
 # local one sizes its output `kv_channels x heads` whatever the value head is. Found here building
-# DeepSeek-V3 (issue 37) on the CPU tier. Its forward needs nothing else: the scores' GEMM takes the
+# DeepSeek-V3 (issue 37) on the CPU tier; 0.19.2 the same (the same TypeError, seen 2026-11-27 building
+# tiny-deepseek-v3 through Megatron-Bridge 0.6.2 without this workaround). Its forward needs nothing else: the scores' GEMM takes the
 # q/k head as it comes, the softmax scale is MLA's own (mscale included), the context keeps v's width. We
 # build `MLADotProductAttention`: the same module, taking both and sizing its output by v's head.
 # Without Transformer Engine, MLASelfAttention.__init__ also tests `isinstance(self.linear_proj, TELinear)`
@@ -560,9 +561,8 @@ def _copying_output(forward):
 MLA_LOCAL_CORE_ATTENTION = Workaround(
     "mla-local-core-attention", "MLA cannot be built without Transformer Engine: the local spec's "
     "DotProductAttention takes no k_channels/v_channels and sizes its output kv_channels x heads, and "
-    "MLASelfAttention tests isinstance(linear_proj, TELinear) with TELinear a placeholder (TypeError)", ("0.16.1",))
-# Not in WORKAROUNDS (as MOE_TE_GEMM_UNDEFINED): DeepSeek-V3 runs on stack A only (refused by name on stack
-# B, megatron-core 0.19.2, whose source has the same code, read but not run); `require` still gates each use.
+    "MLASelfAttention tests isinstance(linear_proj, TELinear) with TELinear a placeholder (TypeError)", ("0.16.1", "0.19.2"))
+# Not in WORKAROUNDS (as MOE_TE_GEMM_UNDEFINED: those are the checkpoint suite's); `require` gates each use.
 
 
 @functools.cache
@@ -611,11 +611,13 @@ def use_mla_local_core_attention(block_spec: Any) -> Any:
 # gradient along the last dim without summing the ranks' partial `k_pos_emb` gradients (the compressed
 # kv's are summed by linear_kv_up_proj's backward): at tp2-sp the step-0 grad norm was 3.4% off the
 # single-process ground truth (tiny-deepseek-v3, fp32, CPU), the loss equal. We gather that output
-# with a backward that sums the rope columns' gradient over TP before splitting.
+# with a backward that sums the rope columns' gradient over TP before splitting. 0.19.2 the same: without it
+# tp2-sp's step-0 grad norm was 5.0116 against the ground truth's 5.1875 (3.4%, Megatron-Bridge 0.6.2,
+# 2026-11-27); with it every DeepSeek-V3 training layout holds (suites/moe/test_training.py).
 MLA_ROPE_KEY_GRAD = Workaround(
     "mla-rope-key-grad", "local-spec MLA under TP: the shared rope key's gradient is not summed over the TP "
-    "ranks (the column-parallel kv down projection's gather splits it without reducing)", ("0.16.1",))
-# Not in WORKAROUNDS either: stack A only (as MLA_LOCAL_CORE_ATTENTION).
+    "ranks (the column-parallel kv down projection's gather splits it without reducing)", ("0.16.1", "0.19.2"))
+# Not in WORKAROUNDS either (as MLA_LOCAL_CORE_ATTENTION).
 
 
 def _mla_gather_class() -> type:

@@ -59,8 +59,8 @@ models and the Qwen3-0.6B shape, CPU and H100):
      quick_gelu is a `jit_fuser` (torch.compile) function: computed in float32, rounded once;
      linear_fc2's rounded partial sums over etp, then its bias times the routing weight added
      (MLP.forward with a per-token scale); HF scales (down + bias) after the GEMM.
-   - DeepSeek-V3's router (megatron-core's sigmoid router with `moe_router_dtype` fp32, which mbridge
-     sets, as HF's router computes): logits in float32, the sigmoid plus `e_score_correction_bias` to
+   - DeepSeek-V3's router (megatron-core's sigmoid router with `moe_router_dtype` fp32, which both
+     bridges set, as HF's router computes): logits in float32, the sigmoid plus `e_score_correction_bias` to
      choose, the best `topk_group` groups by the sum of their top 2 (megatron-core: top topk // group_topk,
      the same where preflight lets a model through), the top k in them, the chosen sigmoid scores
      renormalised and times `routed_scaling_factor`, all in float32; each expert's routing weight
@@ -337,7 +337,10 @@ class MegatronRoundedDeepseekMoE(MegatronRoundedMoE):
         width = experts.down_proj.shape[-1]
         if width % partitions:
             raise ValueError(f"expert width {width} does not split into {partitions} shards")
-        self.gate, self.experts, self.top_k, self.partitions = block.gate, experts, block.gate.top_k, partitions
+        # The router's settings: on the gate (transformers >= 5.23's DeepseekV3TopkRouter), or on the MoE block
+        # (5.12's, which routes in `route_tokens_to_experts`; stack B's transformers).
+        self.router = block.gate if hasattr(block.gate, "top_k") else block
+        self.gate, self.experts, self.top_k, self.partitions = block.gate, experts, self.router.top_k, partitions
         self.shared_experts = block.shared_experts
         for name, partitions_ in (("gate_proj", 1), ("up_proj", 1), ("down_proj", tp)):
             setattr(self.shared_experts, name, MegatronRoundedLinear(getattr(self.shared_experts, name), partitions_))
@@ -345,14 +348,14 @@ class MegatronRoundedDeepseekMoE(MegatronRoundedMoE):
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """megatron-core's topk_routing_with_score_function (sigmoid, expert bias, group_limited_topk) in
         float32: the routing weights [tokens, k] (float32) and the chosen experts."""
-        gate = self.gate
+        gate, router = self.gate, self.router
         logits = F.linear(tokens.float(), gate.weight.float())
         scores = torch.sigmoid(logits)
         choice = scores + gate.e_score_correction_bias
-        experts, groups = choice.shape[-1], getattr(gate, "num_group", None) or gate.n_group
-        if gate.topk_group and groups > 1:
-            group_scores = choice.view(-1, groups, experts // groups).topk(self.top_k // gate.topk_group, dim=-1)[0].sum(-1)
-            chosen_groups = torch.topk(group_scores, k=gate.topk_group, dim=-1, sorted=False)[1]
+        experts, groups = choice.shape[-1], getattr(router, "num_group", None) or router.n_group
+        if router.topk_group and groups > 1:
+            group_scores = choice.view(-1, groups, experts // groups).topk(self.top_k // router.topk_group, dim=-1)[0].sum(-1)
+            chosen_groups = torch.topk(group_scores, k=router.topk_group, dim=-1, sorted=False)[1]
             mask = torch.zeros_like(group_scores).scatter_(1, chosen_groups, 1)
             mask = mask.unsqueeze(-1).expand(-1, groups, experts // groups).reshape(-1, experts)
             choice = choice.masked_fill(~mask.bool(), float("-inf"))
@@ -360,7 +363,7 @@ class MegatronRoundedDeepseekMoE(MegatronRoundedMoE):
         weights = torch.gather(scores, 1, chosen)
         if self.top_k > 1:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * gate.routed_scaling_factor, chosen
+        return weights * router.routed_scaling_factor, chosen
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
@@ -401,7 +404,9 @@ _MLA_COLUMN_PARALLEL = ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.k
 
 def _is_sparse_block(mlp: nn.Module) -> bool:
     experts = getattr(mlp, "experts", None)
-    return (hasattr(getattr(mlp, "gate", None), "top_k") and hasattr(experts, "gate_up_proj")) or _is_gpt_oss_block(mlp)
+    deepseek_5_12 = type(mlp).__name__ == "DeepseekV3MoE" and hasattr(mlp, "top_k")  # its router's settings on the block
+    return ((hasattr(getattr(mlp, "gate", None), "top_k") or deepseek_5_12) and hasattr(experts, "gate_up_proj")) \
+        or _is_gpt_oss_block(mlp)
 
 
 def arrange_like_megatron(model: nn.Module, *, tp: int = 1, expert_tp: int | None = None) -> nn.Module:

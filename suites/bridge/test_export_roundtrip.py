@@ -124,7 +124,7 @@ def test_export_in_the_other_dtype_gives_back_the_checkpoint_exactly(world, devi
 @pytest.mark.nightly
 @pytest.mark.layouts(cpu=["tp1", "tp2-sp", "pp2vpp2", "dp2ep2", "tp2ep2etp1-sp"], cuda="all")
 def test_deepseek_v3_export_gives_back_the_checkpoint_exactly(world, device, layout, report):
-    """DeepSeek-V3 (stack A only): MLA's projections and norms, the dense first layer, the router's
+    """DeepSeek-V3 (both stacks): MLA's projections and norms, the dense first layer, the router's
     float32 expert bias and the shared experts, HF -> Megatron -> HF bit for bit."""
     test_export_gives_back_the_checkpoint_exactly(world, device, layout, report, models=["tiny-deepseek-v3"],
                                                   dtypes=tuple(DTYPES))

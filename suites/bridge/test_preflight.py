@@ -389,9 +389,9 @@ def test_gpt_oss_is_refused_by_name_where_the_bridge_has_none(monkeypatch, capsy
 
 
 # ----------------------------------------------------------------------------- DeepSeek-V3 (issue 37)
-# What mbridge 0.15.1's DeepseekV3Bridge with megatron-core 0.16.1 (and the harness's overrides 15-17)
-# would build otherwise than HF's DeepseekV3ForCausalLM, refused before any rank starts. Megatron-Bridge:
-# refused by name first (not tested there).
+# What mbridge 0.15.1's DeepseekV3Bridge with megatron-core 0.16.1 (and the harness's overrides 15-17), or
+# Megatron-Bridge 0.6.2's DeepSeekV3Bridge with megatron-core 0.19.2, would build otherwise than HF's
+# DeepseekV3ForCausalLM, refused before any rank starts, on both stacks.
 _DSV3_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
               "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
 DEEPSEEK_V3_UNSUPPORTED = {
@@ -446,15 +446,12 @@ def test_deepseek_v3_layouts_mla_cannot_split_are_refused():
     validate(parse_layout("tp2-sp"), 2, model=config)
 
 
-def test_deepseek_v3_is_refused_by_name_where_the_bridge_is_untested(monkeypatch, capsys):
-    """`mrh parity --model tiny-deepseek-v3` on Megatron-Bridge (DeepSeek-V3 untested there): exit 2 and
-    one line naming the bridge before any world starts; on mbridge the same preflight passes."""
-    import harness.parity.cli as cli
+def test_deepseek_v3_is_converted_by_both_bridges():
+    """DeepSeek-V3 passes the preflight on mbridge and on Megatron-Bridge (issue 37: stack B's parity and
+    training run in suites/moe); no bridge refuses it by name."""
+    from harness.bridge.preflight import BRIDGE_MODEL_TYPES, BRIDGE_REFUSAL_REASONS
 
-    if bridge_converts("tiny-deepseek-v3"):
-        assert check_model_supported("tiny-deepseek-v3").model_type == "deepseek_v3"
-        return
-    monkeypatch.setattr(cli, "WorldPool", _untouched)
-    assert cli.main(_parity_args("tiny-deepseek-v3")) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and f"not supported by the {current()} bridge" in err, err
+    assert all("deepseek_v3" in types for types in BRIDGE_MODEL_TYPES.values())
+    assert not [key for key in BRIDGE_REFUSAL_REASONS if key[1] == "deepseek_v3"]
+    assert bridge_converts("tiny-deepseek-v3")
+    assert check_model_supported("tiny-deepseek-v3").model_type == "deepseek_v3"

@@ -217,7 +217,7 @@ def test_gpt_oss_resume_at_another_expert_layout(policy, device, source, target,
 @pytest.mark.nightly
 @pytest.mark.layout_pairs(cpu=[("dp2ep2", "pp2"), ("pp2", "dp2ep2"), ("dp2ep2", "tp2-sp")])
 def test_deepseek_v3_resume_at_another_expert_layout(policy, device, source, target, tmp_path, report):
-    """DeepSeek-V3 (stack A only): MLA (column-parallel under TP), the dense first layer, the router's
+    """DeepSeek-V3 (both stacks): MLA (column-parallel under TP), the dense first layer, the router's
     expert bias (a buffer) and the shared experts reshard with the routed experts."""
     skip_unless_converted("tiny-deepseek-v3")
     per_layer = [f"{p}decoder.layers.{layer}.mlp.experts." for layer in (1, 2, 3) for p in ("", "optimizer.state.exp_avg.")]

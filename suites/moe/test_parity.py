@@ -316,7 +316,7 @@ def test_gpt_oss_expert_biases_refuse_etp2_before_any_rank_starts():
     assert validate(resolve(parse_layout("tp2etp1-sp"), 2), 2, config).expert_tp == 1
 
 
-# DeepSeek-V3 (issue 37; stack A only: refused by name on Megatron-Bridge, these skip there): MLA (q/kv
+# DeepSeek-V3 (issue 37; both stacks: Megatron-Bridge 0.6.2's DeepSeekV3Bridge on stack B): MLA (q/kv
 # LoRA, YaRN with mscale, megatron-core's local MLA core attention: harness.compat.megatron_core), a dense
 # first layer, then a sigmoid router with e_score_correction_bias, group-limited top-4, renormalised and
 # scaled by 2.5, and shared experts; the arranged reference computes the router and the experts' float32

@@ -81,7 +81,7 @@ def test_a_synced_engine_equals_the_trained_gpt_oss_policy(policy, device, layou
 @pytest.mark.nightly
 @pytest.mark.layouts(cpu=["tp2ep2etp1-sp"])
 def test_a_synced_engine_equals_the_trained_deepseek_v3_policy(policy, device, layout, report):
-    """DeepSeek-V3 (stack A only): MLA, the dense first layer, the expert bias and the shared experts sync
+    """DeepSeek-V3 (both stacks): MLA, the dense first layer, the expert bias and the shared experts sync
     into the HF engine with the routed experts."""
     skip_unless_converted("tiny-deepseek-v3")
     result = sync_check(policy, layout, "fp32", device=device, model="tiny-deepseek-v3")

@@ -138,11 +138,11 @@ def test_gpt_oss_policy_steps_match_ground_truth_at_every_layout(policy, device,
     _check_family(policy, layout, report, GPT_OSS)
 
 
-# DeepSeek-V3 (stack A only): MLA, the dense first layer, the sigmoid router (its expert bias fixed:
+# DeepSeek-V3 (both stacks): MLA, the dense first layer, the sigmoid router (its expert bias fixed:
 # compat override 16 sets moe_router_bias_update_rate 0, as HF keeps it) and the shared experts train
-# across layouts as in one process; under TP with megatron-core 0.16.1's MLA rope-key gradient summed over
-# the TP ranks (harness.compat.megatron_core.MLA_ROPE_KEY_GRAD: stock, tp2-sp's step-0 grad norm was 3.4%
-# off). Nightly (CI's MoE training slice is Qwen3-MoE's and Qwen2-MoE's).
+# across layouts as in one process; under TP with megatron-core's MLA rope-key gradient summed over the TP
+# ranks (harness.compat.megatron_core.MLA_ROPE_KEY_GRAD: stock, tp2-sp's step-0 grad norm was 3.4% off on
+# 0.16.1 and on 0.19.2). Nightly (CI's MoE training slice is Qwen3-MoE's and Qwen2-MoE's).
 DEEPSEEK_V3 = "tiny-deepseek-v3"
 
 

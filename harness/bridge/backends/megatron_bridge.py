@@ -36,6 +36,12 @@ What is set on Megatron-Bridge's model provider, and why (so that both bridges b
   the preflight ignores their tensors explicitly), and `rotary_percent` from the preflight's RoPE settings
   (the provider maps partial_rotary_factor itself, to the same 0.5: set here so both bridges take it from
   one place).
+- DeepSeek-V3 (issue 37): what mbridge_compat's override 16 sets (`deepseek_v3_settings`: group-limited routing
+  from n_group/topk_group, which DeepSeekV3Bridge also maps; the expert bias never updated, as HF keeps it; no
+  stream overlap, fused RoPE or MTP); on the local spec MLA's core attention and, under TP, its rope key's
+  gradient (harness.compat.megatron_core: MLA_LOCAL_CORE_ATTENTION, MLA_ROPE_KEY_GRAD, seen on 0.19.2 as on
+  0.16.1). The bridge's YaRN (rotary_scaling_factor, mscale, mscale_all_dim, ...) and its mapping of
+  e_score_correction_bias to the router's expert_bias are its own, unchanged.
 """
 from __future__ import annotations
 
@@ -125,6 +131,10 @@ class MegatronBridgeHandle:
         if self.hf_config.model_type == "glm4_moe":  # partial RoPE, no stream overlap, no MTP (GLM45_SETTINGS)
             provider.rotary_percent = self.rope.rotary_percent
             overrides.update(GLM45_SETTINGS)
+        if self.hf_config.model_type == "deepseek_v3":  # as mbridge_compat's override 16 builds it
+            from harness.bridge.mbridge_compat import deepseek_v3_settings
+
+            overrides.update(deepseek_v3_settings(self.hf_config))
         if self.rope.llama3:  # mbridge_compat override 4: the flag and factor here, the frequencies below
             provider.rope_scaling, provider.rope_scaling_factor = True, float(self.rope.llama3["factor"])
         provider.perform_initialization = False  # every parameter is loaded (unused_hf_tensors checks it)
@@ -136,6 +146,8 @@ class MegatronBridgeHandle:
             from harness.compat.megatron_core import fix_expert_biases
 
             provider.register_pre_wrap_hook(fix_expert_biases)
+        if self.hf_config.model_type == "deepseek_v3" and self.harness_spec == "local":  # MLA's rope key grad
+            provider.register_pre_wrap_hook(self._sum_mla_rope_key_grad)
         provider.apply_overrides_and_finalize(dtype=dtype, overrides={**overrides, **(config_overrides or {})})
         self.provider = provider
         self.config = provider
@@ -144,8 +156,22 @@ class MegatronBridgeHandle:
         multiple = make_vocab_size_divisible_by * tp
         self.padded_vocab_size = -(-self.vocab_size // multiple) * multiple
 
+    def _sum_mla_rope_key_grad(self, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+        """harness.compat.megatron_core.MLA_ROPE_KEY_GRAD under TP, as mbridge_compat's override 17 (a pre-wrap
+        hook: before DDP wraps the chunks)."""
+        from harness.compat.megatron_core import sum_mla_rope_key_grad
+
+        for chunk in chunks:
+            sum_mla_rope_key_grad(chunk, self.provider)
+        return chunks
+
     def _local_spec(self, config, vp_stage: int | None = None):
-        return local_block_spec(config, vp_stage=vp_stage, norm_precision=self.harness_norm_precision)
+        spec = local_block_spec(config, vp_stage=vp_stage, norm_precision=self.harness_norm_precision)
+        if getattr(config, "multi_latent_attention", False):  # DeepSeek-V3: MLA's local core attention
+            from harness.compat.megatron_core import use_mla_local_core_attention
+
+            spec = use_mla_local_core_attention(spec)
+        return spec
 
     # ----------------------------------------------------------------- what harness.bridge.load calls
     def get_model(self, *, weight_path=None, fp16: bool = False, bf16: bool = False, wrap_with_ddp: bool = False,
