@@ -339,8 +339,10 @@ class MegatronRoundedDeepseekMoE(MegatronRoundedMoE):
             raise ValueError(f"expert width {width} does not split into {partitions} shards")
         # The router's settings: on the gate (transformers >= 5.23's DeepseekV3TopkRouter), or on the MoE block
         # (5.12's, which routes in `route_tokens_to_experts`; stack B's transformers).
-        self.router = block.gate if hasattr(block.gate, "top_k") else block
-        self.gate, self.experts, self.top_k, self.partitions = block.gate, experts, self.router.top_k, partitions
+        router = block.gate if hasattr(block.gate, "top_k") else block
+        self.gate, self.experts, self.top_k, self.partitions = block.gate, experts, router.top_k, partitions
+        self.groups = getattr(router, "num_group", None) or router.n_group
+        self.topk_group, self.routed_scaling_factor = router.topk_group, router.routed_scaling_factor
         self.shared_experts = block.shared_experts
         for name, partitions_ in (("gate_proj", 1), ("up_proj", 1), ("down_proj", tp)):
             setattr(self.shared_experts, name, MegatronRoundedLinear(getattr(self.shared_experts, name), partitions_))
@@ -348,14 +350,14 @@ class MegatronRoundedDeepseekMoE(MegatronRoundedMoE):
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """megatron-core's topk_routing_with_score_function (sigmoid, expert bias, group_limited_topk) in
         float32: the routing weights [tokens, k] (float32) and the chosen experts."""
-        gate, router = self.gate, self.router
+        gate = self.gate
         logits = F.linear(tokens.float(), gate.weight.float())
         scores = torch.sigmoid(logits)
         choice = scores + gate.e_score_correction_bias
-        experts, groups = choice.shape[-1], getattr(router, "num_group", None) or router.n_group
-        if router.topk_group and groups > 1:
-            group_scores = choice.view(-1, groups, experts // groups).topk(self.top_k // router.topk_group, dim=-1)[0].sum(-1)
-            chosen_groups = torch.topk(group_scores, k=router.topk_group, dim=-1, sorted=False)[1]
+        experts, groups = choice.shape[-1], self.groups
+        if self.topk_group and groups > 1:
+            group_scores = choice.view(-1, groups, experts // groups).topk(self.top_k // self.topk_group, dim=-1)[0].sum(-1)
+            chosen_groups = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
             mask = torch.zeros_like(group_scores).scatter_(1, chosen_groups, 1)
             mask = mask.unsqueeze(-1).expand(-1, groups, experts // groups).reshape(-1, experts)
             choice = choice.masked_fill(~mask.bool(), float("-inf"))
@@ -363,7 +365,7 @@ class MegatronRoundedDeepseekMoE(MegatronRoundedMoE):
         weights = torch.gather(scores, 1, chosen)
         if self.top_k > 1:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * router.routed_scaling_factor, chosen
+        return weights * self.routed_scaling_factor, chosen
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
