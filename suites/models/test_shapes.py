@@ -26,6 +26,7 @@ MOE = ["qwen3-30b-a3b-shape", "glm4.5-air-shape", "gpt-oss-shape"]
 # megatron-core's MoE layer needs sequence parallelism: tp2-sp.
 DENSE_LAYOUTS = ["tp1", "tp2", "pp2"]
 MOE_LAYOUTS = ["tp1", "dp2ep2", "tp2-sp", "pp2"]
+pytestmark = [pytest.mark.nightly, pytest.mark.parametrize("dtype", ["bf16", "fp32"])]
 # What one GPU must hold at tp1 (GiB): glm4.5-air-shape (8.2 B parameters) holds its bf16 model and that
 # state's fp32 copy (49 GB), then HF's fp32 reference (33 GB). An 80 GB H100 ran out at 50.4 GiB allocated
 # (2026-11-27, da99309); the other layouts split the experts or the layers over two GPUs.
@@ -52,17 +53,13 @@ def _parity(world, layout, model, dtype, hf_cache, report):
     assert result.passed, result.summary()
 
 
-@pytest.mark.nightly
 @pytest.mark.layouts(cuda=DENSE_LAYOUTS)
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("model", DENSE)
 def test_dense_shape_models_match_hf(world, device, layout, model, dtype, hf_cache, report):
     _parity(world, layout, model, dtype, hf_cache, report)
 
 
-@pytest.mark.nightly
 @pytest.mark.layouts(cuda=MOE_LAYOUTS)
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("model", MOE)
 def test_moe_shape_models_match_hf(world, device, layout, model, dtype, hf_cache, report):
     _parity(world, layout, model, dtype, hf_cache, report)
