@@ -53,7 +53,17 @@ def policy_config(*, micro_batches: int = 2, dtype: str = "fp32", variant: str |
 def ground_truth(model: str = MODEL, loss: dict[str, Any] | None = None):
     """(batches, ground-truth step results, HF state dict after the steps) with the loss `loss`
     (LOSS by default): once per process and loss."""
-    return _ground_truth(model, tuple(sorted((LOSS if loss is None else loss).items())))
+    return _ground_truth(model, _loss_key(loss))[:3]
+
+
+def ground_truth_moved(model: str = MODEL, loss: dict[str, Any] | None = None) -> float:
+    """The largest |change| of any ground-truth weight over its steps: a comparison within a bound far
+    below it shows that the policy's steps moved its weights too (else equality proves nothing)."""
+    return _ground_truth(model, _loss_key(loss))[3]
+
+
+def _loss_key(loss: dict[str, Any] | None) -> tuple:
+    return tuple(sorted((LOSS if loss is None else loss).items()))
 
 
 def train_batch(model: str = MODEL):
@@ -80,7 +90,14 @@ def _ground_truth(model: str, loss: tuple):
         tb = tb.with_old_logprobs(hf_logprobs(hf, tb.batch) + 0.02 * tb.advantages.sign())
     trainer = GroundTruthTrainer(hf, **OPTIM, **dict(loss))
     results = [trainer.step(tb, micro_batches=2) for _ in range(STEPS)]
-    return [tb] * STEPS, results, checkpoint_state_dict(hf)  # the names the policy exports
+    # The host holds the model, its gradients and Adam's state (16 bytes a parameter: 50 GB for the
+    # 3.1 B-parameter qwen3-30b-a3b-shape); free the last two before the copies below.
+    del trainer
+    hf.zero_grad(set_to_none=True)
+    state = checkpoint_state_dict(hf)  # the names the policy exports
+    start = build_hf_model(model, dtype=torch.float32, seed=0)  # drawn again rather than held during the steps
+    moved = max((param.detach() - start.get_parameter(name)).abs().max().item() for name, param in hf.named_parameters())
+    return [tb] * STEPS, results, state, moved
 
 
 @functools.lru_cache(maxsize=4)
