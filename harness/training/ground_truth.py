@@ -2,13 +2,13 @@
 
 A distributed Megatron step is correct when it matches this one: same loss, same pre-clip grad
 norm, same learning rate, same updated weights. Everything here is deliberately the textbook
-version (torch.optim.AdamW in fp32, torch.nn.utils.clip_grad_norm_, a LambdaLR schedule), and it
+version (torch.optim.AdamW in fp32, Megatron's clipping formula, a LambdaLR schedule), and it
 is written to be *expressible* by Megatron:
 
 - Optimizer: AdamW with decoupled weight decay applied only to >= 2-D weights; 1-D parameters
   (norms) and biases get none, which is Megatron's default parameter grouping.
-- Clipping: total L2 norm over all parameters, scale by max_norm / (norm + 1e-6) when that is
-  < 1: the same formula as Megatron's clip_grad_norm_fp32.
+- Clipping: total L2 norm over all parameters (accumulated in float64: `exact_grad_norm`), scale by
+  max_norm / (norm + 1e-6) when that is < 1: the same formula as Megatron's clip_grad_norm_fp32.
 - Schedule: Megatron's OptimizerParamScheduler with init_lr = 0: linear warmup
   ``lr * n / warmup_steps`` for n <= warmup_steps, then "constant" (lr) or "cosine" decay to
   min_lr at decay_steps (min_lr after). n counts completed optimizer steps, so with warmup the
@@ -176,13 +176,33 @@ class GroundTruthTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss, stats = self._micro_losses(train_batch, micro_batches, backward=True)
         lr = self.lr
-        max_norm = float("inf") if not self.clip_grad else float(self.clip_grad)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=False)
+        grad_norm = exact_grad_norm(self.params)
+        if self.clip_grad:
+            clip_grads(self.params, grad_norm, float(self.clip_grad))
         self.optimizer.step()
         self.scheduler.step()
         self.steps_done += 1
         return {"loss": loss, "grad_norm": float(grad_norm), "lr": lr,
                 "micro_batches": stats, **_summed(stats)}
+
+
+def exact_grad_norm(params) -> float:
+    """The total L2 norm of the parameters' gradients, summed in float64 (harness.backends.norms): torch's
+    float32 CPU norm was 1.3e-3 to 1.7e-3 low at real widths (qwen3-8b-shape, qwen3-30b-a3b-shape on an H200,
+    2026-12-01), so the ground truth's grad norm and clip coefficient were off by as much."""
+    from harness.backends.norms import float64_l2_norm
+
+    return float64_l2_norm(p.grad for p in params if p.grad is not None)
+
+
+@torch.no_grad()
+def clip_grads(params, grad_norm: float, max_norm: float) -> None:
+    """Megatron's clip_grad_norm_fp32: scale every gradient by max_norm / (norm + 1e-6) when that is < 1."""
+    coefficient = max_norm / (grad_norm + 1.0e-6)
+    if coefficient < 1.0:
+        for param in params:
+            if param.grad is not None:
+                param.grad.mul_(coefficient)
 
 
 def _summed(stats: list[dict[str, float]]) -> dict[str, float]:

@@ -38,7 +38,7 @@ UNCLIPPED = dict(LOSS, clip_eps=1e9, clip_eps_high=1e9)
 
 
 def policy_config(*, micro_batches: int = 2, dtype: str = "fp32", variant: str | None = None,
-                  loss: dict[str, Any] = LOSS, layout=None) -> dict[str, Any]:
+                  loss: dict[str, Any] = LOSS, layout=None, lr: float = OPTIM["lr"]) -> dict[str, Any]:
     """The PolicyConfig fields the ground truth trains with (`loss`: LOSS, or UNCLIPPED). With a `layout`,
     the least multiple of `micro_batches` its schedule takes (Layout.fitted_micro_batches: pp4vpp2 refused
     2, 2026-11-27); the comparison holds at any count, the loss being normalised by the global batch's
@@ -47,19 +47,19 @@ def policy_config(*, micro_batches: int = 2, dtype: str = "fp32", variant: str |
         from harness.parallel.state import as_layout
 
         micro_batches = as_layout(layout).fitted_micro_batches(micro_batches)
-    return dict(OPTIM, micro_batches=micro_batches, loss_kwargs=dict(loss), variant=variant, dtype=dtype)
+    return dict(OPTIM, lr=lr, micro_batches=micro_batches, loss_kwargs=dict(loss), variant=variant, dtype=dtype)
 
 
-def ground_truth(model: str = MODEL, loss: dict[str, Any] | None = None):
+def ground_truth(model: str = MODEL, loss: dict[str, Any] | None = None, lr: float = OPTIM["lr"]):
     """(batches, ground-truth step results, HF state dict after the steps) with the loss `loss`
-    (LOSS by default): once per process and loss."""
-    return _ground_truth(model, _loss_key(loss))[:3]
+    (LOSS by default) and learning rate `lr`: once per process, loss and lr."""
+    return _ground_truth(model, _loss_key(loss), lr)[:3]
 
 
-def ground_truth_moved(model: str = MODEL, loss: dict[str, Any] | None = None) -> float:
+def ground_truth_moved(model: str = MODEL, loss: dict[str, Any] | None = None, lr: float = OPTIM["lr"]) -> float:
     """The largest |change| of any ground-truth weight over its steps: a comparison within a bound far
     below it shows that the policy's steps moved its weights too (else equality proves nothing)."""
-    return _ground_truth(model, _loss_key(loss))[3]
+    return _ground_truth(model, _loss_key(loss), lr)[3]
 
 
 def _loss_key(loss: dict[str, Any] | None) -> tuple:
@@ -77,7 +77,7 @@ def train_batch(model: str = MODEL):
 
 
 @functools.lru_cache(maxsize=4)
-def _ground_truth(model: str, loss: tuple):
+def _ground_truth(model: str, loss: tuple, lr: float):
     from harness.logprobs import hf_logprobs
     from harness.models import build_hf_model
     from harness.models.zoo import checkpoint_state_dict
@@ -88,7 +88,7 @@ def _ground_truth(model: str, loss: tuple):
     # On-policy old logprobs, perturbed so that both clipping branches occur in step 2.
     with torch.no_grad():
         tb = tb.with_old_logprobs(hf_logprobs(hf, tb.batch) + 0.02 * tb.advantages.sign())
-    trainer = GroundTruthTrainer(hf, **OPTIM, **dict(loss))
+    trainer = GroundTruthTrainer(hf, **dict(OPTIM, lr=lr), **dict(loss))
     results = [trainer.step(tb, micro_batches=2) for _ in range(STEPS)]
     # The host holds the model, its gradients and Adam's state (16 bytes a parameter: 50 GB for the
     # 3.1 B-parameter qwen3-30b-a3b-shape); free the last two before the copies below.
@@ -168,7 +168,8 @@ def _check(metric: str, value: float, dtype: str) -> CheckResult:
 def compare_to_ground_truth(policy, *, model: str = MODEL) -> InvarianceResult:
     """Train `policy` (a PolicyHandle made with `policy_config(...)`) for STEPS steps on the
     ground truth's batches and compare; the handle's config says dtype, micro-batches, variant."""
-    batches, expected, ref_state = ground_truth(model, policy.config.get("loss_kwargs"))
+    batches, expected, ref_state = ground_truth(model, policy.config.get("loss_kwargs"),
+                                             policy.config.get("lr", OPTIM["lr"]))
     dtype = policy.config.get("dtype", "fp32")
     result = InvarianceResult(str(policy.layout), dtype, policy.world.device, policy.config.get("variant"))
     result.steps = policy.steps(batches)

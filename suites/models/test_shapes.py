@@ -56,6 +56,17 @@ def _on_its_spec(model: str, spec: str) -> None:
         pytest.skip("harness.bridge.gemma3 builds Gemma 3 on the local spec only (docs/gemma3.md)")
 
 
+# Open findings: (model, layout, dtype, spec) -> what was measured. The case runs and must still fail as
+# measured (an xfail); once it passes, the test fails until the finding is closed here and in docs/families.md.
+OPEN = {
+    ("gpt-oss-shape", "tp1", "bf16", "te"): (
+        "gpt-oss-shape's bf16 logprobs on TE are 2-4x noisier than the other -shape MoE models' (stack B, H200, "
+        "2026-12-01: mean |d| 0.076 vs 0.019-0.039, top-1 0.78 vs 0.92-0.94, kl_k3 7.8e-3 vs 4e-4-1.4e-3), past "
+        "the approximate-moe bounds (0.075, 0.8), while the fp32 evaluation of the same state holds fp32's "
+        "(6.7e-6): the conversion is right, the bf16 path of its sinks, clamp or windows is not yet explained"),
+}
+
+
 def _parity(world, layout, model, dtype, hf_cache, report):
     _on_its_spec(model, world.spec)
     if layout == "tp1" and model in TP1_GIB and world.run(_total_gib)[0] < TP1_GIB[model]:
@@ -65,6 +76,10 @@ def _parity(world, layout, model, dtype, hf_cache, report):
     report.extend(result.rows)
     if dtype == "bf16" and result.regime != "exact":  # TE's kernels: the same state also held in fp32
         assert "fp32" in result.evaluated_in, result.summary()
+    finding = OPEN.get((model, layout, dtype, world.spec))
+    if finding is not None:
+        assert not result.passed, f"open finding no longer reproduces ({result.summary()}): {finding}"
+        pytest.xfail(f"{finding}. Now: {result.summary()}")
     assert result.passed, result.summary()
 
 
@@ -84,6 +99,12 @@ def test_moe_shape_models_match_hf(world, device, layout, model, dtype, hf_cache
 # ground truth trains on the host (its model, gradients, Adam state and a copy of the start: 20 bytes a
 # parameter). glm4.5-air-shape (8.2 B) would need 131 GB on the GPU.
 TRAIN = ["qwen3-8b-shape", "qwen3-30b-a3b-shape", "gpt-oss-shape", "gemma3-shape"]
+# The learning rate of the -shape models' steps. At the tiny models' 1e-3, Adam's first step moves every weight
+# by ~1e-3, 6% of a hidden-4096 weight (std 4096 ** -0.5): the second step's loss was 8.7e9 on qwen3-8b-shape
+# (H200, 2026-12-01), ratios of e^20 that turn 1e-7 differences into 5e-4. At 1e-4 (the CPU tier at hidden
+# 4096, one layer: docs/families.md) both steps match within the fp32 bounds with 12x to 34x to spare, and
+# the weights move 2e-4, 20x the weight bound.
+SHAPE_LR = 1e-4
 # A checkpoint of the 8B shape holds 8 GB of fp32 weights and 16 GB of Adam state.
 RESUME = ["qwen3-8b-shape"]
 
@@ -95,7 +116,7 @@ def test_shape_models_train_like_the_ground_truth(policy, device, layout, model,
     # bf16 without the ratio clip: a ratio rounded across the clip boundary moves the grad norm by that
     # token's whole share (one token of 95 for tiny-qwen3-moe: 8.3% here on the CPU tier, 17.7% on 4x H100
     # at cp2ep2, docs/context-parallel.md), which is the clip's, not the width's; fp32 keeps it.
-    _check(policy, layout, report, model=model, dtype=dtype, loss=UNCLIPPED if dtype == "bf16" else LOSS)
+    _check(policy, layout, report, model=model, dtype=dtype, loss=UNCLIPPED if dtype == "bf16" else LOSS, lr=SHAPE_LR)
 
 
 @pytest.mark.layouts(cuda=["tp1"])
@@ -104,7 +125,7 @@ def test_shape_models_resume_exactly_at_their_layout(policy, device, layout, mod
     _on_its_spec(model, policy.spec)
     directory = tmp_path / "ckpt"
     try:
-        source = train_and_save(policy, layout, directory, model=model, dtype=dtype)
+        source = train_and_save(policy, layout, directory, model=model, dtype=dtype, lr=SHAPE_LR)
         result = resume_and_compare(policy, source, layout)
     finally:
         shutil.rmtree(directory, ignore_errors=True)  # the next tests' checkpoints need the disk

@@ -175,3 +175,18 @@ def test_trainer_rejects_non_fp32_models():
     model = build_hf_model("tiny-qwen3", dtype=torch.bfloat16, seed=0)
     with pytest.raises(ValueError, match="fp32"):
         GroundTruthTrainer(model)
+
+
+def test_the_ground_truths_grad_norm_is_exact_at_real_widths():
+    """A real embedding's gradient (1e7 elements and more): torch's float32 norm on the CPU is 3.7e-4 low on
+    1e7 N(0, 1) elements (its clip_grad_norm_ the same), which made the ground truth's grad norm 1.3e-3 below
+    Megatron's at qwen3-8b-shape; the ground truth sums the squares in float64 (harness.backends.norms)."""
+    from harness.training.ground_truth import exact_grad_norm
+
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (10**7, 300)]
+    for i, p in enumerate(params):
+        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(i))
+    exact = math.sqrt(sum(p.grad.double().square().sum().item() for p in params))
+    fp32 = torch.nn.utils.clip_grad_norm_(params, float("inf"), foreach=False).item()
+    assert abs(fp32 - exact) / exact > 1e-4  # the float32 sum this replaces (the check can fail)
+    assert exact_grad_norm(params) == pytest.approx(exact, rel=1e-12)
