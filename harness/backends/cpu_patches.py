@@ -139,9 +139,8 @@ _FLOAT32_NORM_EXACT_UP_TO = 1 << 16
 def _float64_multi_tensor_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     """megatron-core's fallback l2 norm without apex or TE (`local_multi_tensor_l2_norm`: the grad norm the
     optimizer clips by and reports), summed in float64 once a tensor is past what float32 sums exactly here:
-    the fallback's torch.norm per tensor is 1.3% low on a 1.3e8-element gradient on the CPU
-    (harness.backends.norms), and the CPU tier's Megatron reported a grad norm 2.5e-3 below its own
-    gradients' at hidden 4096 (suites/training/test_ground_truth.py)."""
+    the fallback's torch.norm per tensor is 3.7e-4 low on a 1e7-element gradient on the CPU, 1.3% on 1.3e8
+    (harness.backends.norms; suites/harness/test_cpu_backend.py)."""
     from megatron.core.utils import local_multi_tensor_l2_norm
 
     from harness.backends.norms import float64_l2_norm
