@@ -25,6 +25,15 @@ gated on the vLLM versions it was verified on.
   vLLM PR 51665's symptom (a tied lm_head left stale by a weight update) by another mechanism. The
   workaround reprocesses every lm_head tied to an embedding after each in-place reload, as the first
   load did.
+- `CPU_NO_AMX` (found by this harness): on CPU, vLLM takes AMX kernels whenever torch reports AMX tiles
+  (`torch.cpu._is_amx_tile_supported()`): bf16 attention (`_get_attn_isa` in
+  vllm/v1/attention/backends/cpu_attn.py) and the small GEMMs' sgl kernels (`check_cpu_sgl_kernel` in
+  model_executor/layers/utils.py, torch's brgemm). On an Intel Xeon VM whose flags list amx_bf16, amx_tile and
+  amx_int8 (2026-12-01) the engine's first bf16 generate died: SIGILL in the AMX attention, and, with the
+  harness's oneDNN pin (ONEDNN_MAX_CPU_ISA=AVX2, harness.backends.cpu_arithmetic) inherited, a c10::Error
+  from the brgemm of a batch of 4; every bf16 vLLM test of the CPU tier failed. With AMX reported absent in
+  the engine's process the same generates pass. So it reports none: the engine takes the kernels of the
+  machines without AMX, where the CPU tier's vLLM evidence was made, as the pin does for torch.
 
 The gate, as in harness.compat.megatron_core: `install` raises `UnverifiedVLLMError` on a vLLM
 version a workaround was not verified on, before anything changes (the engine does not start; a
@@ -62,7 +71,11 @@ CPU_TIED_LM_HEAD_REPACK = Workaround(
     "cpu-tied-lm-head-repack", "a tied model's CPU lm_head computes with a oneDNN copy of the embedding "
     "packed at the first load: an in-place reload_weights of the embedding never repacks it (the logits "
     "stay on the old embedding)", ("0.32.0",))
-WORKAROUNDS = (CPU_MOE_RELOAD_REPACK, CPU_TIED_LM_HEAD_REPACK)
+CPU_NO_AMX = Workaround(
+    "cpu-no-amx", "vLLM's CPU kernels take AMX whenever torch reports AMX tiles; on a Xeon VM with "
+    "amx_bf16/amx_tile/amx_int8 its bf16 attention died with SIGILL and its brgemm under the oneDNN pin with a "
+    "c10::Error: report no AMX", ("0.32.0",))
+WORKAROUNDS = (CPU_MOE_RELOAD_REPACK, CPU_TIED_LM_HEAD_REPACK, CPU_NO_AMX)
 
 # Which installed workarounds act: the guard test turns one off to show the bug is still there.
 _ENABLED: dict[str, bool] = {}
@@ -87,7 +100,15 @@ def needed(hf_config: dict[str, Any], device: str) -> list[Workaround]:
         return []
     experts = hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0
     return ([CPU_MOE_RELOAD_REPACK] if experts > 0 else []) + \
-        ([CPU_TIED_LM_HEAD_REPACK] if hf_config.get("tie_word_embeddings", False) else [])
+        ([CPU_TIED_LM_HEAD_REPACK] if hf_config.get("tie_word_embeddings", False) else []) + \
+        ([CPU_NO_AMX] if device == "cpu" and _amx_reported() else [])
+
+
+def _amx_reported() -> bool:
+    """Whether torch reports AMX tiles here (what makes vLLM's CPU kernels pick AMX)."""
+    import torch
+
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
 def install(hf_config: dict[str, Any], device: str) -> list[str]:
@@ -154,5 +175,18 @@ def repack_tied_lm_heads(model) -> int:
     return count
 
 
+def _patch_cpu_no_amx() -> None:
+    import torch
+
+    original = torch.cpu._is_amx_tile_supported
+
+    def _is_amx_tile_supported() -> bool:
+        return False if _ENABLED.get(CPU_NO_AMX.name) else original()
+
+    _is_amx_tile_supported.__wrapped__ = original
+    torch.cpu._is_amx_tile_supported = _is_amx_tile_supported  # vLLM asks at each kernel choice
+
+
 _PATCHES = {CPU_MOE_RELOAD_REPACK.name: _patch_cpu_moe_reload_repack,
-            CPU_TIED_LM_HEAD_REPACK.name: _patch_cpu_tied_lm_head_repack}
+            CPU_TIED_LM_HEAD_REPACK.name: _patch_cpu_tied_lm_head_repack,
+            CPU_NO_AMX.name: _patch_cpu_no_amx}

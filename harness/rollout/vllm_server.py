@@ -126,7 +126,7 @@ class Server:
         self.workarounds = compat.install(hf_config, device)  # raises on an unverified vLLM, before anything
         if device == "cpu":
             _keep_cpu_weights()
-            if compat.needed(hf_config, device):  # a MoE model
+            if compat.CPU_MOE_RELOAD_REPACK in compat.needed(hf_config, device):  # a MoE model
                 _keep_cpu_expert_weights()
         self.model_dir = model
         self.device = device

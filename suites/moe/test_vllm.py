@@ -22,7 +22,7 @@ import dataclasses
 import pytest
 import torch
 
-from harness.compat.vllm import CPU_MOE_RELOAD_REPACK
+from harness.compat.vllm import CPU_MOE_RELOAD_REPACK, CPU_NO_AMX
 from harness.rollout import HFEngine, Sampling
 from harness.rollout.check import prompts, sync_check
 from harness.rollout.tolerances import sync_tolerance
@@ -64,7 +64,8 @@ def test_vllm_runs_the_moe_model_as_hf_does(engine, report):
     assert set(weights) == set(expected)
     assert any(".experts.3.down_proj." in name for name in weights)  # every expert, one HF tensor each
     assert all(torch.equal(weights[n], t) for n, t in expected.items())  # bit for bit, as loaded
-    assert engine.workarounds == [CPU_MOE_RELOAD_REPACK.name]
+    # the model's workaround; CPU_NO_AMX is the machine's (a CPU with AMX)
+    assert [w for w in engine.workarounds if w != CPU_NO_AMX.name] == [CPU_MOE_RELOAD_REPACK.name]
     diff = _against_hf(engine, hf)
     _bounded(report, "vllm_vs_hf_max_abs", diff)
     assert diff <= BOUND
@@ -118,6 +119,10 @@ def test_the_vllm_workarounds_are_gated_on_the_versions_verified(monkeypatch):
     """Needs no vLLM: which models get the workaround, and an unverified version refuses before any patch."""
     from harness.compat import vllm as compat
 
+    monkeypatch.setattr(compat, "_amx_reported", lambda: True)  # a CPU with AMX: every model on CPU gets it
+    assert compat.needed({"num_hidden_layers": 4}, "cpu") == [compat.CPU_NO_AMX]
+    assert compat.needed({"num_hidden_layers": 4}, "cuda") == []
+    monkeypatch.setattr(compat, "_amx_reported", lambda: False)
     assert compat.needed({"num_local_experts": 4}, "cpu") == compat.needed({"num_experts": 4}, "cpu") == \
         [CPU_MOE_RELOAD_REPACK]
     assert compat.needed({"num_experts": 4}, "cuda") == [] and compat.needed({"num_hidden_layers": 4}, "cpu") == []
