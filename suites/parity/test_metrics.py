@@ -212,3 +212,21 @@ def test_table_markdown_lists_every_entry_with_origin():
         origin = t.origin.replace("|", r"\|")
         assert any(f"| {t.dtype} | {t.regime} | {t.metric} |" in line and origin in line for line in lines)
     assert "<= 1e-05" in text and ">= 0.9" in text
+
+
+def test_bf16_noise_measures_each_engine_against_the_fp32_logprobs_of_the_same_weights():
+    """harness.parity.runner.bf16_noise on known values: HF's bf16 is 0.01 from fp32 on every token,
+    Megatron's 0.03 on half of them, one top-1 flipped."""
+    from harness.parity.runner import bf16_noise
+
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    fp32 = torch.full((1, 4), -2.0, dtype=torch.float64)
+    top = torch.tensor([[1, 2, 3, 4]])
+    hf = (fp32 + 0.01, top)
+    megatron = (fp32 + torch.tensor([[0.03, -0.03, 0.0, 0.0]], dtype=torch.float64), torch.tensor([[1, 2, 3, 5]]))
+    noise = bf16_noise(hf, (fp32, top), megatron, mask)
+    assert noise["noise_hf_mean_abs"] == pytest.approx(0.01) and noise["noise_hf_max_abs"] == pytest.approx(0.01)
+    assert noise["noise_megatron_mean_abs"] == pytest.approx(0.015)
+    assert noise["noise_megatron_max_abs"] == pytest.approx(0.03)
+    assert noise["noise_ratio"] == pytest.approx(1.5)
+    assert noise["noise_hf_top1_agreement"] == 1.0 and noise["noise_megatron_top1_agreement"] == 0.75

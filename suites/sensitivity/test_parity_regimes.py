@@ -94,6 +94,10 @@ def test_where_the_arithmetic_cannot_match_the_fp32_evaluation_catches_fine_vari
     assert result.regime == "approximate" and "fp32" in result.evaluated_in, result.summary()
     if variant is None:
         assert result.passed, result.summary()
+        # each engine's bf16 distance to the fp32 logprobs of the same weights, for the record
+        noise = [row for row in result.rows if row.extra.get("evaluated_in") == "bf16-vs-fp32"]
+        assert {row.metric for row in noise} >= {"noise_hf_mean_abs", "noise_megatron_mean_abs", "noise_ratio"}
+        assert all(row.claim == "observed" and row.value > 0 for row in noise if "top1" not in row.metric)
     else:
         report.add("separation", result.separation, tolerance=SENSITIVITY_MARGIN,
                    passed=result.separation >= SENSITIVITY_MARGIN, claim="control", layout=layout,
