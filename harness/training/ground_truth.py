@@ -14,6 +14,14 @@ is written to be *expressible* by Megatron:
   min_lr at decay_steps (min_lr after). n counts completed optimizer steps, so with warmup the
   first step runs at lr 0, exactly as in Megatron, where the scheduler is stepped after the
   optimizer.
+- Weights (`weights="bf16"`): Megatron's bf16 training keeps fp32 main parameters and runs the model
+  on their bf16 copy (the main parameters start as the loaded bf16 weights, upcast). The ground truth
+  then does the same: its fp32 weights start rounded to bf16, and each step's forward and backward
+  run on them rounded to bf16 (in fp32 arithmetic), the gradient applied to the unrounded fp32
+  weights. Below bf16's resolution (RL's lr 1e-6 at real widths: Adam moves a weight of 0.016 by
+  1e-6, its bf16 spacing is 6e-5) the bf16 copy barely follows the fp32 weights, so the second
+  step's forward of a plain fp32 ground truth sees an update that no bf16 run can see
+  (qwen3-8b-shape on an H200: step-2 loss 0.39 apart, step 1 within 1.8e-3).
 - Gradient accumulation: the loss of each micro-batch is normalised by the *global* batch's
   token / sequence counts (see `harness.training.loss`), so the summed micro-batch gradients are
   the gradient of the whole-batch loss, whatever the split.
@@ -23,6 +31,7 @@ its configs have no dropout, which is what makes the step deterministic).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Literal
 
@@ -109,11 +118,16 @@ class GroundTruthTrainer:
                  weight_decay: float = 0.0, clip_grad: float | None = 1.0,
                  warmup_steps: int = 0, decay_style: DecayStyle = "constant",
                  total_steps: int | None = None, min_lr: float = 0.0,
-                 batch_invariant: bool = True, **loss_kwargs: Any) -> None:
+                 batch_invariant: bool = True, weights: str = "fp32", **loss_kwargs: Any) -> None:
         for p in model.parameters():
             if p.requires_grad and p.dtype != torch.float32:
                 raise ValueError(f"the ground truth trains in fp32; got a {p.dtype} parameter")
+        if weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {list(WEIGHTS)}, got {weights!r}")
         self.model = model
+        self.weights = WEIGHTS[weights]
+        if self.weights is not None:
+            round_weights(model, self.weights)  # the main parameters start as the loaded bf16 weights
         self.clip_grad = clip_grad
         self.batch_invariant = batch_invariant
         self.loss_kwargs = loss_kwargs
@@ -160,9 +174,27 @@ class GroundTruthTrainer:
             stats.append({"loss": part_loss, **part_stats})
         return total, stats
 
+    @contextlib.contextmanager
+    def _forward_weights(self):
+        """The weights the model runs on: the fp32 weights, or (weights="bf16") them rounded to bf16 for
+        the duration, the fp32 ones put back before the optimizer uses the gradients."""
+        if self.weights is None:
+            yield
+            return
+        with torch.no_grad():
+            main = [p.detach().clone() for p in self.params]  # +4 bytes a parameter on the host
+            for p in self.params:
+                p.copy_(p.to(self.weights))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, kept in zip(self.params, main):
+                    p.copy_(kept)
+
     def evaluate(self, train_batch: RLTrainBatch, micro_batches: int = 1) -> dict[str, Any]:
         """The loss (and stats) the current weights give, without touching them."""
-        with torch.no_grad():
+        with torch.no_grad(), self._forward_weights():
             loss, stats = self._micro_losses(train_batch, micro_batches, backward=False)
         return {"loss": loss, "micro_batches": stats, **_summed(stats)}
 
@@ -174,7 +206,8 @@ class GroundTruthTrainer:
         stats summed over parts (pg_loss, kl, clip_fraction, ratio_mean, tokens).
         """
         self.optimizer.zero_grad(set_to_none=True)
-        loss, stats = self._micro_losses(train_batch, micro_batches, backward=True)
+        with self._forward_weights():
+            loss, stats = self._micro_losses(train_batch, micro_batches, backward=True)
         lr = self.lr
         grad_norm = exact_grad_norm(self.params)
         if self.clip_grad:
@@ -184,6 +217,18 @@ class GroundTruthTrainer:
         self.steps_done += 1
         return {"loss": loss, "grad_norm": float(grad_norm), "lr": lr,
                 "micro_batches": stats, **_summed(stats)}
+
+
+# The weights a ground truth runs its forward on (class docstring, "Weights"): its fp32 weights, or them
+# rounded to bf16 as Megatron's bf16 model parameters are.
+WEIGHTS = {"fp32": None, "bf16": torch.bfloat16}
+
+
+@torch.no_grad()
+def round_weights(model: nn.Module, dtype: torch.dtype) -> None:
+    """Round every parameter of an fp32 model to `dtype`'s values, kept in fp32."""
+    for param in model.parameters():
+        param.copy_(param.to(dtype))
 
 
 def exact_grad_norm(params) -> float:

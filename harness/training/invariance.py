@@ -50,16 +50,20 @@ def policy_config(*, micro_batches: int = 2, dtype: str = "fp32", variant: str |
     return dict(OPTIM, lr=lr, micro_batches=micro_batches, loss_kwargs=dict(loss), variant=variant, dtype=dtype)
 
 
-def ground_truth(model: str = MODEL, loss: dict[str, Any] | None = None, lr: float = OPTIM["lr"]):
+def ground_truth(model: str = MODEL, loss: dict[str, Any] | None = None, lr: float = OPTIM["lr"],
+                 weights: str = "fp32"):
     """(batches, ground-truth step results, HF state dict after the steps) with the loss `loss`
-    (LOSS by default) and learning rate `lr`: once per process, loss and lr."""
-    return _ground_truth(model, _loss_key(loss), lr)[:3]
+    (LOSS by default), learning rate `lr` and forward weights `weights` (fp32, or bf16 as a bf16
+    policy's: harness.training.ground_truth, "Weights"): once per process and arguments."""
+    return _ground_truth(model, _loss_key(loss), lr, weights)[:3]
 
 
-def ground_truth_moved(model: str = MODEL, loss: dict[str, Any] | None = None, lr: float = OPTIM["lr"]) -> float:
-    """The largest |change| of any ground-truth weight over its steps: a comparison within a bound far
-    below it shows that the policy's steps moved its weights too (else equality proves nothing)."""
-    return _ground_truth(model, _loss_key(loss), lr)[3]
+def ground_truth_moved(model: str = MODEL, loss: dict[str, Any] | None = None, lr: float = OPTIM["lr"],
+                       weights: str = "fp32") -> float:
+    """The largest |change| of any ground-truth weight over its steps (from its start: rounded to bf16 for
+    weights="bf16"): a comparison within a bound far below it shows that the policy's steps moved its
+    weights too (else equality proves nothing)."""
+    return _ground_truth(model, _loss_key(loss), lr, weights)[3]
 
 
 def _loss_key(loss: dict[str, Any] | None) -> tuple:
@@ -77,18 +81,18 @@ def train_batch(model: str = MODEL):
 
 
 @functools.lru_cache(maxsize=4)
-def _ground_truth(model: str, loss: tuple, lr: float):
+def _ground_truth(model: str, loss: tuple, lr: float, weights: str = "fp32"):
     from harness.logprobs import hf_logprobs
     from harness.models import build_hf_model
     from harness.models.zoo import checkpoint_state_dict
-    from harness.training.ground_truth import GroundTruthTrainer
+    from harness.training.ground_truth import WEIGHTS, GroundTruthTrainer, round_weights
 
     hf = build_hf_model(model, dtype=torch.float32, seed=0)
     tb = train_batch(model)
     # On-policy old logprobs, perturbed so that both clipping branches occur in step 2.
     with torch.no_grad():
         tb = tb.with_old_logprobs(hf_logprobs(hf, tb.batch) + 0.02 * tb.advantages.sign())
-    trainer = GroundTruthTrainer(hf, **dict(OPTIM, lr=lr), **dict(loss))
+    trainer = GroundTruthTrainer(hf, **dict(OPTIM, lr=lr), weights=weights, **dict(loss))
     results = [trainer.step(tb, micro_batches=2) for _ in range(STEPS)]
     # The host holds the model, its gradients and Adam's state (16 bytes a parameter: 50 GB for the
     # 3.1 B-parameter qwen3-30b-a3b-shape); free the last two before the copies below.
@@ -96,6 +100,8 @@ def _ground_truth(model: str, loss: tuple, lr: float):
     hf.zero_grad(set_to_none=True)
     state = checkpoint_state_dict(hf)  # the names the policy exports
     start = build_hf_model(model, dtype=torch.float32, seed=0)  # drawn again rather than held during the steps
+    if WEIGHTS[weights] is not None:
+        round_weights(start, WEIGHTS[weights])  # where the trainer started
     moved = max((param.detach() - start.get_parameter(name)).abs().max().item() for name, param in hf.named_parameters())
     return [tb] * STEPS, results, state, moved
 
@@ -165,11 +171,12 @@ def _check(metric: str, value: float, dtype: str) -> CheckResult:
     return CheckResult.judge(metric, value, bound)
 
 
-def compare_to_ground_truth(policy, *, model: str = MODEL) -> InvarianceResult:
+def compare_to_ground_truth(policy, *, model: str = MODEL, truth_weights: str = "fp32") -> InvarianceResult:
     """Train `policy` (a PolicyHandle made with `policy_config(...)`) for STEPS steps on the
-    ground truth's batches and compare; the handle's config says dtype, micro-batches, variant."""
+    ground truth's batches and compare; the handle's config says dtype, micro-batches, variant.
+    `truth_weights`: the ground truth's forward weights (ground_truth's `weights`)."""
     batches, expected, ref_state = ground_truth(model, policy.config.get("loss_kwargs"),
-                                             policy.config.get("lr", OPTIM["lr"]))
+                                             policy.config.get("lr", OPTIM["lr"]), truth_weights)
     dtype = policy.config.get("dtype", "fp32")
     result = InvarianceResult(str(policy.layout), dtype, policy.world.device, policy.config.get("variant"))
     result.steps = policy.steps(batches)

@@ -56,14 +56,17 @@ def _on_its_spec(model: str, spec: str) -> None:
         pytest.skip("harness.bridge.gemma3 builds Gemma 3 on the local spec only (docs/gemma3.md)")
 
 
-# Open findings: (model, layout, dtype, spec) -> what was measured. The case runs and must still fail as
-# measured (an xfail); once it passes, the test fails until the finding is closed here and in docs/families.md.
-OPEN = {
-    ("gpt-oss-shape", "tp1", "bf16", "te"): (
-        "gpt-oss-shape's bf16 logprobs on TE are 2-4x noisier than the other -shape MoE models' (stack B, H200, "
-        "2026-12-01: mean |d| 0.076 vs 0.019-0.039, top-1 0.78 vs 0.92-0.94, kl_k3 7.8e-3 vs 4e-4-1.4e-3), past "
-        "the approximate-moe bounds (0.075, 0.8), while the fp32 evaluation of the same state holds fp32's "
-        "(6.7e-6): the conversion is right, the bf16 path of its sinks, clamp or windows is not yet explained"),
+# Where the HF reference's own bf16 is the noisy side: (model, dtype) -> what was measured. Its bf16 logprobs
+# against Megatron's are past the approximate-moe bounds, and HF's bf16 is as far from the fp32 logprobs of the
+# same bf16 weights (harness.parity.runner.bf16_noise): the bf16-vs-HF rows are then recorded (claim "observed"),
+# and the case is held to the fp32 evaluation of the same state and to Megatron's bf16 being no farther from fp32
+# than HF's own (noise_ratio <= 1: the reference implementation's noise, a claim, not a fitted figure).
+NOISY_HF_BF16 = {
+    ("gpt-oss-shape", "bf16"): (
+        "gpt-oss-shape's eager HF bf16 is the noisy side (stack B, TE, H200, 2026-12-02): against the fp32 "
+        "logprobs of the same bf16 weights HF's bf16 is mean |d| 0.0707 off with top-1 0.80, Megatron's 0.042 "
+        "with 0.916 (noise_ratio 0.59); the bf16-vs-HF gap (0.075, top-1 0.79) is HF's. The other MoE shapes: "
+        "qwen3-30b-a3b-shape 0.027 vs 0.0195 (ratio 0.71)"),
 }
 
 
@@ -73,14 +76,31 @@ def _parity(world, layout, model, dtype, hf_cache, report):
         pytest.skip(f"{model} at tp1 needs a GPU of >= {TP1_GIB[model]} GiB (an 80 GB H100 ran out of memory)")
     with skip_invalid_layout():
         result = run_parity(world, ParityCase(model, layout, dtype), hf_cache=hf_cache, test=report.test)
-    report.extend(result.rows)
     if dtype == "bf16" and result.regime != "exact":  # TE's kernels: the same state also held in fp32
         assert "fp32" in result.evaluated_in, result.summary()
-    finding = OPEN.get((model, layout, dtype, world.spec))
-    if finding is not None:
-        assert not result.passed, f"open finding no longer reproduces ({result.summary()}): {finding}"
-        pytest.xfail(f"{finding}. Now: {result.summary()}")
+    if (model, dtype) in NOISY_HF_BF16:
+        _held_to_hf_noise(result, report)
+        return
+    report.extend(result.rows)
     assert result.passed, result.summary()
+
+
+def _held_to_hf_noise(result, report) -> None:
+    """NOISY_HF_BF16's gate: the fp32 evaluation's bounds, and Megatron's bf16 no noisier than HF's."""
+    import dataclasses
+
+    assert "noise_ratio" in result.metrics, result.summary()
+    # the bf16-vs-HF rows for the record, their bound kept beside them
+    report.extend([dataclasses.replace(row, claim="observed", passed=True, tolerance=None,
+                                       extra={**row.extra, "bound": row.tolerance, "within_bound": row.passed})
+                   if row.extra.get("evaluated_in") == "bf16" else row for row in result.rows])
+    fp32 = [check for check, within in zip(result.checks, result.evaluated_in) if within == "fp32"]
+    assert fp32 and all(ok for *_, ok in fp32), result.summary()
+    ratio = result.metrics["noise_ratio"]
+    report.add("noise_ratio", ratio, tolerance=1.0, passed=ratio <= 1.0, claim="bounded", layout=result.layout.name,
+               model=result.case.model, dtype=result.case.dtype, tolerance_kind="max",
+               why=NOISY_HF_BF16[(result.case.model, result.case.dtype)])
+    assert ratio <= 1.0, result.summary()
 
 
 @pytest.mark.layouts(cuda=DENSE_LAYOUTS)
@@ -117,7 +137,13 @@ def test_shape_models_train_like_the_ground_truth(policy, device, layout, model,
     # bf16 without the ratio clip: a ratio rounded across the clip boundary moves the grad norm by that
     # token's whole share (one token of 95 for tiny-qwen3-moe: 8.3% here on the CPU tier, 17.7% on 4x H100
     # at cp2ep2, docs/context-parallel.md), which is the clip's, not the width's; fp32 keeps it.
-    _check(policy, layout, report, model=model, dtype=dtype, loss=UNCLIPPED if dtype == "bf16" else LOSS, lr=SHAPE_LR)
+    # bf16 against the ground truth that runs on its weights rounded to bf16 as Megatron's bf16 copy of its fp32
+    # main parameters (harness.training.ground_truth, "Weights"): at SHAPE_LR an update is below bf16's spacing
+    # (1e-6 against 6e-5 at a weight of 0.016), and the plain fp32 ground truth's second step saw it where no bf16
+    # run can (H200, 2026-12-02: step-2 loss 0.39 apart on qwen3-8b-shape, 0.13 on qwen3-30b-a3b-shape, 0.08 on
+    # gemma3-shape; step 1 within 1.8e-3).
+    _check(policy, layout, report, model=model, dtype=dtype, loss=UNCLIPPED if dtype == "bf16" else LOSS, lr=SHAPE_LR,
+           truth_weights=dtype)
 
 
 @pytest.mark.layouts(cuda=["tp1"])

@@ -190,3 +190,33 @@ def test_the_ground_truths_grad_norm_is_exact_at_real_widths():
     fp32 = torch.nn.utils.clip_grad_norm_(params, float("inf"), foreach=False).item()
     assert abs(fp32 - exact) / exact > 1e-4  # the float32 sum this replaces (the check can fail)
     assert exact_grad_norm(params) == pytest.approx(exact, rel=1e-12)
+
+
+def test_the_bf16_weights_ground_truth_runs_on_its_fp32_weights_rounded_as_megatrons_bf16_copy():
+    """weights="bf16" (harness.training.ground_truth, "Weights"): the fp32 weights start as the loaded bf16
+    weights; each step's forward and backward see them rounded to bf16, the update lands on the fp32 weights
+    unrounded; an update below bf16's spacing then leaves the next forward where it was."""
+    from harness.training.ground_truth import round_weights
+
+    tb = _train_batch()
+    tb = tb.with_old_logprobs(hf_logprobs(build_hf_model("tiny-qwen3", dtype=torch.float32, seed=0), tb.batch))
+    model = build_hf_model("tiny-qwen3", dtype=torch.float32, seed=0)
+    trainer = GroundTruthTrainer(model, lr=1e-6, weights="bf16")
+    start = [p.detach().clone() for p in trainer.params]
+    assert all(torch.equal(p, p.to(torch.bfloat16).float()) for p in start)  # started as bf16 values
+    # its step is the plain trainer's step on the rounded weights...
+    plain_model = build_hf_model("tiny-qwen3", dtype=torch.float32, seed=0)
+    round_weights(plain_model, torch.bfloat16)
+    plain = GroundTruthTrainer(plain_model, lr=1e-6)
+    first, plain_first = trainer.step(tb), plain.step(tb)
+    assert (first["loss"], first["grad_norm"]) == (plain_first["loss"], plain_first["grad_norm"])
+    assert all(torch.equal(p, q) for p, q in zip(trainer.params, plain.params))  # fp32 weights, unrounded
+    moved = [p for p, s in zip(trainer.params, start) if not torch.equal(p, s)]
+    assert moved and any(not torch.equal(p, p.to(torch.bfloat16).float()) for p in moved)
+    # ...but its next forward sees the fp32 weights rounded to bf16: at lr 1e-6 most of them where they were
+    changed = sum(int((p.to(torch.bfloat16).float() != s).sum()) for p, s in zip(trainer.params, start))
+    total = sum(s.numel() for s in start)
+    assert changed < total // 10, f"{changed} of {total} weights"
+    assert trainer.evaluate(tb)["loss"] != plain.evaluate(tb)["loss"]
+    with pytest.raises(ValueError, match="weights must be one of"):
+        GroundTruthTrainer(build_hf_model("tiny-qwen3", dtype=torch.float32, seed=0), weights="fp16")

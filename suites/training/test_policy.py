@@ -23,23 +23,24 @@ def _check(policy, layout, report, **kwargs):
 
 
 def _compare(policy, layout, report, micro_batches=2, variant=None, model=MODEL, dtype="fp32",
-             world_size=None, loss=LOSS, lr=OPTIM["lr"]):
+             world_size=None, loss=LOSS, lr=OPTIM["lr"], truth_weights="fp32"):
     # The micro-batches the layout's schedule takes, so a layout the model cannot take (pp4vpp2 on 4 layers)
     # reaches the model's check and skips, rather than failing on the count first.
     config = policy_config(micro_batches=micro_batches, dtype=dtype, variant=variant, loss=loss, layout=layout, lr=lr)
     micro_batches = config["micro_batches"]
     with skip_invalid_layout():  # e.g. pp4vpp2 on a 4-layer model
         worker = policy(layout, model, world_size=world_size, **config)
-    result = compare_to_ground_truth(worker, model=model)
-    report.extend(result.rows(model, micro_batches=micro_batches, **({} if loss is LOSS else {"loss": "unclipped"})))
+    result = compare_to_ground_truth(worker, model=model, truth_weights=truth_weights)
+    report.extend(result.rows(model, micro_batches=micro_batches, **({} if loss is LOSS else {"loss": "unclipped"}),
+                              **({} if truth_weights == "fp32" else {"truth_weights": truth_weights})))
     for got in result.steps:
         assert sum(m["loss"] for m in got["micro_batches"]) == pytest.approx(got["loss"], rel=1e-9, abs=1e-12)
     # The steps must move the model far past the bounds (else equality proves nothing): the ground truth's
     # weights by >= 10x the weight bound (two steps move a weight by up to 2 lr: 2e-3 at the default lr), or,
     # at the -shape models' lr (1e-6: 2e-6, below it), its second step's loss by >= 10x the loss bound from
     # its first, which a policy that did not update would repeat.
-    moved = ground_truth_moved(model, loss, lr)
-    _, truth, _ = ground_truth(model, loss, lr)
+    moved = ground_truth_moved(model, loss, lr, truth_weights)
+    _, truth, _ = ground_truth(model, loss, lr, truth_weights)
     loss_moved = abs(truth[1]["loss"] - truth[0]["loss"]) / max(abs(truth[0]["loss"]), 1.0)
     assert moved > 10 * training_tolerance("param_max_abs_diff", "fp32").limit or \
         loss_moved > 10 * training_tolerance("loss_rel_diff", "fp32").limit, \
@@ -81,6 +82,14 @@ def test_tied_embeddings_stay_identical_under_pp(policy, device, report):
 @pytest.mark.layouts(cpu=["tp2", "pp2"], cuda="all")
 def test_bf16_policy_steps_track_the_ground_truth(policy, device, layout, report):
     _check(policy, layout, report, dtype="bf16")
+
+
+# The same against the ground truth that runs its forward on its fp32 weights rounded to bf16, as Megatron runs
+# its bf16 copy of the fp32 main params (harness.training.ground_truth, "Weights"): what the -shape models take
+# at RL's lr, where an update is below bf16's spacing (suites/models/test_shapes.py).
+@pytest.mark.layouts(cpu=["tp2"], cuda=["tp1", "tp2"])
+def test_bf16_policy_steps_track_the_bf16_weights_ground_truth(policy, device, layout, report):
+    _check(policy, layout, report, dtype="bf16", truth_weights="bf16")
 
 
 # Context parallelism (issue 36): every sequence split over the CP ranks, against the same fp32 ground
