@@ -114,6 +114,10 @@ def _table(rows) -> str:
     header = f"{'layout':<12} {'regime':<12} {'metric':<22} {'value':>12} {'tolerance':>11}  result"
     lines = [header, "-" * len(header)]
     for row in rows:
+        if row.tolerance is None:  # an observed figure (the bf16 noise rows): no bound, no verdict
+            lines.append(f"{row.layout:<12} {row.extra.get('regime', ''):<12} {row.metric:<22} {row.value:>12.4g} "
+                         f"{'-':>11}  observed")
+            continue
         sign = ">=" if row.extra.get("tolerance_kind") == "min" else "<="
         lines.append(f"{row.layout:<12} {row.extra.get('regime', ''):<12} {row.metric:<22} {row.value:>12.4g} "
                      f"{sign}{row.tolerance:>9.6g}  "

@@ -56,6 +56,16 @@ def test_a_one_percent_norm_scale_fails_bf16_parity(cli_on_session_worlds, capsy
     assert "exact" in done.stdout and "FAIL" in done.stdout
 
 
+def test_an_approximate_bf16_run_lists_its_noise_rows_as_observed(cli_on_session_worlds, capsys):
+    """The approximate regime's fp32 evaluation brings each engine's bf16 distance to fp32 (bf16_noise): rows
+    with no bound, printed as observed, which the exit code does not count."""
+    done = _mrh_in_process(capsys, "--layouts", "tp2", "--dtype", "bf16", "--reference", "plain",
+                           "--norm-precision", "fused")
+    assert done.returncode == 0, done.stderr[-3000:]
+    noise = [line for line in done.stdout.splitlines() if "noise_" in line]
+    assert len(noise) == 9 and all(line.endswith("observed") for line in noise), done.stdout
+
+
 @pytest.mark.parametrize("args, message", [
     (["--layouts", "tp3"], "tp=3 does not divide num_attention_heads=4"),
     (["--model", "/no/such/model"], "not a zoo name"),
