@@ -356,8 +356,7 @@ def bf16_noise(hf: tuple[torch.Tensor, torch.Tensor], hf_fp32: tuple[torch.Tenso
 
 
 def _noise_rows(result: ParityResult, noise: dict[str, float], suite: str, test: str, model: str) -> list[Row]:
-    extra = {"variant": result.case.variant, "packing": result.case.packing, "regime": result.regime,
-             "reference": result.case.reference, "evaluated_in": "bf16-vs-fp32"}
+    extra = {**_extra(result), "evaluated_in": "bf16-vs-fp32"}
     return [Row(suite=suite, test=test, layout=result.layout.name, metric=metric, value=value, tolerance=None,
                 passed=True, claim="observed", model=model, dtype=result.case.dtype, device=result.device,
                 spec=result.spec, extra=extra) for metric, value in noise.items()]
@@ -375,11 +374,16 @@ def _batch_key(batch: RLBatch) -> int:
                  batch.response_mask.numpy().tobytes()))
 
 
+def _extra(result: ParityResult) -> dict:
+    """What every row of a parity result says about its case."""
+    return {"variant": result.case.variant, "packing": result.case.packing,
+            "tokens": result.metrics.get("tokens"), "regime": result.regime,
+            "reference": result.case.reference, "norm_precision": result.norm_precision,
+            **({"dispatcher": result.case.dispatcher} if result.case.dispatcher else {})}
+
+
 def _rows(result: ParityResult, suite: str, test: str, model: str) -> list[Row]:
-    extra = {"variant": result.case.variant, "packing": result.case.packing,
-             "tokens": result.metrics.get("tokens"), "regime": result.regime,
-             "reference": result.case.reference, "norm_precision": result.norm_precision,
-             **({"dispatcher": result.case.dispatcher} if result.case.dispatcher else {})}
+    extra = _extra(result)
     return [
         Row(suite=suite, test=test, layout=result.layout.name, metric=metric, value=float(value),
             tolerance=tol.limit, passed=bool(ok), claim=tol.claim, model=model, dtype=result.case.dtype,

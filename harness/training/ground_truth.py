@@ -127,7 +127,7 @@ class GroundTruthTrainer:
         self.model = model
         self.weights = WEIGHTS[weights]
         if self.weights is not None:
-            round_weights(model, self.weights)  # the main parameters start as the loaded bf16 weights
+            round_weights(model.parameters(), self.weights)  # the main parameters start as the loaded bf16 weights
         self.clip_grad = clip_grad
         self.batch_invariant = batch_invariant
         self.loss_kwargs = loss_kwargs
@@ -183,8 +183,7 @@ class GroundTruthTrainer:
             return
         with torch.no_grad():
             main = [p.detach().clone() for p in self.params]  # +4 bytes a parameter on the host
-            for p in self.params:
-                p.copy_(p.to(self.weights))
+        round_weights(self.params, self.weights)
         try:
             yield
         finally:
@@ -225,9 +224,9 @@ WEIGHTS = {"fp32": None, "bf16": torch.bfloat16}
 
 
 @torch.no_grad()
-def round_weights(model: nn.Module, dtype: torch.dtype) -> None:
-    """Round every parameter of an fp32 model to `dtype`'s values, kept in fp32."""
-    for param in model.parameters():
+def round_weights(params, dtype: torch.dtype) -> None:
+    """Round fp32 parameters in place to `dtype`'s values, kept in fp32."""
+    for param in params:
         param.copy_(param.to(dtype))
 
 

@@ -101,7 +101,7 @@ def _ground_truth(model: str, loss: tuple, lr: float, weights: str = "fp32"):
     state = checkpoint_state_dict(hf)  # the names the policy exports
     start = build_hf_model(model, dtype=torch.float32, seed=0)  # drawn again rather than held during the steps
     if WEIGHTS[weights] is not None:
-        round_weights(start, WEIGHTS[weights])  # where the trainer started
+        round_weights(start.parameters(), WEIGHTS[weights])  # where the trainer started
     moved = max((param.detach() - start.get_parameter(name)).abs().max().item() for name, param in hf.named_parameters())
     return [tb] * STEPS, results, state, moved
 

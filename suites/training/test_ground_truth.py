@@ -206,7 +206,7 @@ def test_the_bf16_weights_ground_truth_runs_on_its_fp32_weights_rounded_as_megat
     assert all(torch.equal(p, p.to(torch.bfloat16).float()) for p in start)  # started as bf16 values
     # its step is the plain trainer's step on the rounded weights...
     plain_model = build_hf_model("tiny-qwen3", dtype=torch.float32, seed=0)
-    round_weights(plain_model, torch.bfloat16)
+    round_weights(plain_model.parameters(), torch.bfloat16)
     plain = GroundTruthTrainer(plain_model, lr=1e-6)
     first, plain_first = trainer.step(tb), plain.step(tb)
     assert (first["loss"], first["grad_norm"]) == (plain_first["loss"], plain_first["grad_norm"])
