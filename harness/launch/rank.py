@@ -142,9 +142,11 @@ def _init_process_group(spec: RankSpec) -> None:
         backend = "cpu:gloo,cuda:nccl"  # gloo too: Megatron makes gloo groups for CPU tensors
     else:
         from harness.backends import cpu_arithmetic, cpu_patches
+        from harness.compat.torch import share_gloo_device
 
         cpu_arithmetic.pin()  # the parent's pin came in the environment: check that it took
         cpu_patches.install()
+        share_gloo_device()  # one gloo loop thread, not one per group (harness.compat.torch)
         # Ranks share the machine's cores: more intra-op threads than cores/ranks only spin.
         torch.set_num_threads(max(1, _usable_cores() // spec.world_size))
         backend = "gloo"

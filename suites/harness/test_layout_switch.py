@@ -74,3 +74,22 @@ def test_revisiting_a_layout_reuses_its_process_groups(world):
     for name in ("pp2", "tp1", "tp2", "pp2"):
         run_in_layout(world, name, _group_count)
     assert run_in_layout(world, "tp2", _group_count) == settled
+
+
+def _gloo_loops_and_groups(layout) -> tuple[int, int]:
+    from torch.distributed import distributed_c10d
+
+    from harness.compat.torch import gloo_loop_threads
+
+    return gloo_loop_threads(), len(distributed_c10d._world.pg_map)
+
+
+def test_a_ranks_gloo_groups_share_one_event_loop_thread(world, device):
+    """harness.compat.torch.GLOO_SHARED_DEVICE: stock c10d gives each gloo group its own TCP device and loop
+    thread (waking every 10 ms); after three layouts a CPU rank holds dozens of groups and one loop."""
+    if device != "cpu":
+        pytest.skip("the shared gloo device is installed on the CPU tier only (harness.launch.rank)")
+    for name in ("tp2", "pp2", "tp1"):
+        run_in_layout(world, name, _group_count)
+    counts = run_in_layout(world, "tp2", _gloo_loops_and_groups)
+    assert all(loops == 1 and groups > 10 for loops, groups in counts), counts
