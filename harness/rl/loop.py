@@ -254,16 +254,18 @@ def engine_options(config: LoopConfig, trainer_gpus: int | None) -> dict[str, An
 
 
 def require_experts(model, hf_config) -> None:
-    """Routing replay is for MoE models: one clear error for a dense one, before any rank works."""
-    from harness.bridge.preflight import num_experts
+    """Routing replay is for MoE models this stack's bridge builds: one clear error, before any rank works,
+    for a dense model, and for a MoE family the bridge refuses (the preflight's reason: gpt-oss on stack A,
+    where mbridge 0.15.1 has no gpt-oss bridge; it replays on stack B)."""
+    from harness.bridge.preflight import check_hf_config, num_experts
 
     if not num_experts(hf_config):
         raise ValueError(f"routing replay needs a Mixture-of-Experts model: {model} is dense (no routers to "
                          "record or replay; e.g. tiny-qwen3-moe)")
-    if hf_config.model_type == "gpt_oss":  # issue 37: not yet (docs/moe.md, gpt-oss)
-        raise ValueError(f"routing replay does not support gpt-oss ({model}) yet: its HF router is "
-                         "model.layers.N.mlp.router (softmax after top-k), which the engine's route recorder "
-                         "does not hook, and no stack here replays it (stack A has no gpt-oss bridge)")
+    try:
+        check_hf_config(hf_config)
+    except ValueError as exc:
+        raise ValueError(f"routing replay of {model} cannot run here: {exc}") from None
 
 
 def as_dicts(history: list[Iteration]) -> list[dict[str, Any]]:

@@ -28,21 +28,27 @@ from typing import Iterator
 import torch
 
 PAD = -1
-_GATE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
+# gpt-oss names its router ``mlp.router`` (GptOssTopKRouter); every other family here ``mlp.gate``
+# (Qwen2-MoE's ``mlp.shared_expert_gate`` is no router, and the anchored name leaves it out).
+_GATE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.(?:gate|router)$")
+# Routers that take the top k of the logits, then a softmax over those k only (gpt-oss): HF computes
+# it so, and a forced route's weights must be the same arithmetic to give the same bits (`forced_weights`).
+TOPK_THEN_SOFTMAX = ("GptOssTopKRouter",)
 
 
 def _router_names(model: torch.nn.Module) -> dict[int, str]:
-    """Every MoE layer's router name (``...layers.{l}.mlp.gate``) by global layer index."""
+    """Every MoE layer's router name (``...layers.{l}.mlp.gate``, gpt-oss's ``...mlp.router``) by global
+    layer index."""
     return dict(sorted((int(m.group(1)), name) for name, _ in model.named_modules() if (m := _GATE.search(name))))
 
 
 def hf_routers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
-    """Every MoE layer's router of an HF model (transformers 5: ``model.layers.{l}.mlp.gate``, a
-    module returning ``(logits, weights, indices)``), by global layer index."""
+    """Every MoE layer's router of an HF model (transformers 5: ``model.layers.{l}.mlp.gate``, gpt-oss's
+    ``model.layers.{l}.mlp.router``, a module returning ``(logits, weights, indices)``), by global layer index."""
     found = {layer: model.get_submodule(name) for layer, name in _router_names(model).items()}
     if not found:
-        raise ValueError(f"{type(model).__name__} has no MoE routers (model.layers.N.mlp.gate): routing is "
-                         "recorded and replayed for Mixture-of-Experts models only")
+        raise ValueError(f"{type(model).__name__} has no MoE routers (model.layers.N.mlp.gate or .router): "
+                         "routing is recorded and replayed for Mixture-of-Experts models only")
     return found
 
 
@@ -54,7 +60,8 @@ def _routed_by(model: torch.nn.Module) -> dict[int, "_RoutedBy"]:
 
 class _RoutedBy:
     """Where an HF MoE block picks its experts, for recording and forcing: the router's forward (the
-    transformers 5 releases this harness pins: its gate returns (logits, weights, indices)), or, in
+    transformers 5 releases this harness pins: its gate returns (logits, weights, indices); gpt-oss's
+    router returns the same in 5.12.1 and 5.23.0, its weights the softmax of the top-k logits), or, in
     earlier 5.x (5.12.1, stack B's venv: GLM-4.5-MoE's and DeepSeek-V3's gate returns the logits only),
     the block's `route_tokens_to_experts(logits) -> (indices, weights)`, wrapped on the instance."""
 
@@ -218,7 +225,11 @@ def forced_weights(router: torch.nn.Module, logits: torch.Tensor, index: torch.T
     DeepSeek-V3's TopkRouter: `e_score_correction_bias`): the bias and the group limit only CHOOSE the
     experts, so forced ones weigh their unbiased sigmoid scores, renormalised (+1e-20, as HF) where
     norm_topk_prob, times routed_scaling_factor (as megatron-core's replay, moe_utils.
-    topk_routing_with_score_function, weighs them)."""
+    topk_routing_with_score_function, weighs them). A top-k-then-softmax router (gpt-oss's, with its
+    bias inside the logits): the softmax over the forced experts' logits only, in the logits' dtype as HF
+    takes it (megatron-core's replay without pre-softmax: the same softmax of the gathered logits)."""
+    if type(router).__name__ in TOPK_THEN_SOFTMAX:
+        return torch.softmax(logits.gather(1, index), dim=1, dtype=logits.dtype).float()
     if hasattr(router, "e_score_correction_bias"):
         weights = logits.float().sigmoid().gather(1, index)
         if router.norm_topk_prob:

@@ -181,7 +181,7 @@ def replay_check(make_policy: Callable[..., Any], layout: str, dtype: str = "fp3
 
     model = engine_model(engine, model)
     config = load_hf_config(model)
-    require_experts(model, config)  # one error for what cannot replay (a dense model, gpt-oss)
+    require_experts(model, config)  # one error for what cannot replay (a dense model, a family the bridge refuses)
     require(variant, check="routing-replay", layout=parse_layout(str(layout)), config=config)
     result = ReplayResult(str(layout), dtype, device, variant, model, engine)
     rollouts = open_routing_engine(engine, model, dtype, device).generate(prompts(config.vocab_size), SAMPLING,

@@ -16,6 +16,9 @@ the fixed path passing, on both engines: suites/sensitivity. The GRPO loop runs 
 
 GLM-4.5-MoE and DeepSeek-V3 (a dense first layer, a sigmoid router with an expert bias, group limit and
 routed scaling) run the check on the HF engine: DeepSeek-V3 at tp1 in CI, the rest (GLM, dp2ep2) nightly.
+gpt-oss (its router `mlp.router`: the top k of biased logits, then a softmax over those k) runs it on stack
+B only (stack A has no gpt-oss bridge: refused), with the catalog's replay variants on its routes; the GRPO
+loop replays the routes of all three (nightly).
 
 CI runs the loop at dp2ep2, vLLM's routes against HF's routers on the same tokens (no world), and the
 sensitivity cases at pp2; the check at every layout and the disagreement measurement run nightly.
@@ -43,6 +46,7 @@ def test_replay_routes_as_the_engine_did_and_routers_get_gradients(policy, devic
 # index), a sigmoid router whose expert bias and group limit only choose the experts, and routed scaling
 # (the HF ground truth weighs forced experts so: harness.rollout.routing.forced_weights). CPU, HF engine.
 FAMILIES = ["tiny-glm4-moe", "tiny-deepseek-v3"]
+GPT_OSS = "tiny-gpt-oss"
 
 
 # CI: DeepSeek-V3 at tp1 (every feature above, plus the group limit; 1.7 s, 11-15 s with the tp1 world's start
@@ -56,12 +60,57 @@ def test_replay_with_dense_layers_and_biased_sigmoid_routers(policy, device, lay
     assert result.passed, result.summary()
 
 
-@pytest.mark.parametrize("model", FAMILIES)
+# gpt-oss (stack B; stack A's bridge refuses the family): HF's router (`mlp.router`, recorded and forced as
+# the gates are) takes the top k of its biased logits, then a softmax over those k; megatron-core's router
+# (moe_router_pre_softmax False, as GPTOSSBridge sets) replays by gathering the logits at the replayed
+# experts and taking the same softmax (moe_utils.topk_routing_with_score_function), the HF ground truth
+# forced to the routes weighs them so (harness.rollout.routing.forced_weights).
+@pytest.mark.nightly
+@pytest.mark.layouts(cpu=["tp1", "dp2ep2"], cuda=[])
+def test_replay_with_the_gpt_oss_router(policy, device, layout, report):
+    skip_unless_converted(GPT_OSS)
+    result = replay_check(policy, layout, "fp32", device=device, model=GPT_OSS, engine="hf")
+    report.extend(result.rows())
+    assert result.passed, result.summary()
+
+
+@pytest.mark.nightly
+@pytest.mark.layouts(cpu=["pp2"], cuda=[])
+def test_routing_replay_variants_are_caught_on_gpt_oss_routes(policy, device, layout, report):
+    """The catalog's routing-replay entries (made on tiny-qwen3-moe) on gpt-oss's router at their default
+    layout, pp2: each fails the check by the sensitivity margin, the fixed path passes (harness.variants.repro's
+    judgement, the replay check of harness.variants.repro._routing_replay on this model)."""
+    import dataclasses
+
+    from harness.training.routing_replay import IMPLEMENTED
+    from harness.variants import CATALOG
+    from harness.variants.repro import Repro, Run
+
+    skip_unless_converted(GPT_OSS)
+
+    def run(variant_id):
+        result = replay_check(policy, layout, "fp32", variant=variant_id, device=device, model=GPT_OSS, engine="hf")
+        return Run(result.passed, result.checks, result.summary(), result.rows())
+
+    fixed = run(None)
+    report.extend(fixed.rows)
+    assert fixed.passed, fixed.summary
+    for variant_id in IMPLEMENTED:
+        repro = Repro(dataclasses.replace(CATALOG[variant_id], model=GPT_OSS), layout, "fp32", device, run(variant_id),
+                      fixed)
+        buggy = [dataclasses.replace(row, claim="observed") for row in repro.buggy.rows]
+        report.extend([*buggy, repro.separation_row()])
+        assert repro.reproduced, f"{variant_id}: {repro.buggy.summary} (separation {repro.buggy.separation:.3g})"
+
+
+# No world: HF only, so gpt-oss's HF side runs on both stacks (transformers 5.23.0 and 5.12.1).
+@pytest.mark.parametrize("model", [*FAMILIES, GPT_OSS])
 def test_an_hf_model_forced_to_its_own_routes_computes_what_it_did(model, monkeypatch):
     """The routes the HF engine records keep every layer (the dense first ones PAD, each MoE layer at its
-    global index), and the HF ground truth forced to them weighs the experts as the router itself does
-    (harness.rollout.routing.forced_weights): the same logits, bit for bit. The softmax weights the
-    ground truth gave every router before (Qwen3-MoE's) change them: the control."""
+    global index; gpt-oss's routers are `mlp.router`), and the HF ground truth forced to them weighs the
+    experts as the router itself does (harness.rollout.routing.forced_weights): the same logits, bit for
+    bit. The softmax weights the ground truth gave every router before (Qwen3-MoE's) change them: the
+    control."""
     from harness.models import build_hf_model, resolve_model
     from harness.rollout import routing
     from harness.rollout.routing import RoutingRecorder, forced_routes, hf_routers, routed_layers
@@ -72,7 +121,7 @@ def test_an_hf_model_forced_to_its_own_routes_computes_what_it_did(model, monkey
     with RoutingRecorder(hf) as recorder, torch.no_grad():
         own = hf(input_ids=ids).logits
     routes = recorder.routes(batch, torch.ones_like(ids, dtype=torch.bool))
-    layers, dense = config.num_hidden_layers, config.first_k_dense_replace
+    layers, dense = config.num_hidden_layers, getattr(config, "first_k_dense_replace", 0)
     assert routes.shape == (batch, seq, layers, config.num_experts_per_tok)
     assert sorted(hf_routers(hf)) == list(range(dense, layers))
     assert routed_layers(routes).tolist() == [False] * dense + [True] * (layers - dense)
@@ -232,25 +281,47 @@ def test_vllm_routes_are_the_routes_of_the_tokens_it_fed(rollout, device, report
 def test_the_rl_loop_runs_with_routing_replay(rl_loop, device, layout, engine, report):
     from harness.training.replay_check import engine_model
 
-    model = engine_model(engine, MODEL)
-    loop = rl_loop(layout, model, iterations=2, routing_replay=True, engine=engine)
+    _loop_replays_every_iteration(rl_loop, layout, engine_model(engine, MODEL), engine, report)
+
+
+# The loop on the other families' routers (the HF engine): GLM-4.5-MoE's and DeepSeek-V3's dense first layer
+# and biased sigmoid routers, gpt-oss's top-k-then-softmax router (stack B). In bf16, where the trainer's own
+# routing differs from the engine's on these models (test_without_replay_families_with_dense_layers_...): in
+# fp32 both route alike on CPU, so an agreement of 1.0 there would not tell a replay that does nothing.
+@pytest.mark.nightly
+@pytest.mark.layouts(cpu=["dp2ep2"], cuda=[])
+@pytest.mark.parametrize("model", [*FAMILIES, GPT_OSS])
+def test_the_rl_loop_replays_the_routes_of_every_moe_family(rl_loop, device, layout, model, report):
+    skip_unless_converted(model)  # a family this stack cannot build
+    _loop_replays_every_iteration(rl_loop, layout, model, "hf", report, dtype="bf16")
+
+
+def _loop_replays_every_iteration(rl_loop, layout, model, engine, report, iterations=2, dtype="fp32"):
+    """`iterations` GRPO iterations with routing replay: each iteration's agreement (the worse of its
+    old-logprob pass and its step) is exactly 1.0, and each step has a gradient."""
+    loop = rl_loop(layout, model, iterations=iterations, routing_replay=True, engine=engine, dtype=dtype)
     history = loop.run()
     loop.close()
     for h in history:
         report.add("routing_agreement", h.routing_agreement, tolerance=1.0, passed=h.routing_agreement == 1.0,
-                   claim="exact", layout=layout, model=model, engine=engine, iteration=h.iteration,
+                   claim="exact", layout=layout, model=model, engine=engine, iteration=h.iteration, dtype=dtype,
                    tolerance_kind="min")
-    assert [h.routing_agreement for h in history] == [1.0, 1.0]
+    assert [h.routing_agreement for h in history] == [1.0] * iterations
     assert all(h.grad_norm > 0 for h in history)
 
 
 @pytest.mark.parametrize("args, message", [
     (["--model", "tiny-qwen3"], "needs a Mixture-of-Experts model: tiny-qwen3 is dense"),
-    (["--model", "tiny-gpt-oss"], "routing replay does not support gpt-oss (tiny-gpt-oss) yet"),
+    # stack A: mbridge 0.15.1 has no gpt-oss bridge (harness.bridge.preflight's reason); stack B replays it
+    pytest.param(["--model", GPT_OSS], "routing replay of tiny-gpt-oss cannot run here: model_type 'gpt_oss' is not "
+                 "supported by the mbridge bridge", id="gpt-oss-without-a-bridge"),
 ])
 def test_routing_replay_with_what_cannot_replay_is_one_error_before_any_rank(args, message, capsys, tmp_path):
+    from harness.bridge.preflight import bridge_converts
     from harness.cli import main
 
+    if GPT_OSS in args and bridge_converts(GPT_OSS):
+        pytest.skip("this stack's bridge converts gpt-oss: its replay runs (test_replay_with_the_gpt_oss_router)")
     assert main(["loop", "--device", "cpu", "--routing-replay", "--out", str(tmp_path / "r"), *args]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
