@@ -137,7 +137,11 @@ behaviour it replaces and why:
    attention (`MLA_LOCAL_CORE_ATTENTION`: the local DotProductAttention takes no k/v head widths and
    MLASelfAttention tests isinstance against TE's placeholder), so DeepSeek-V3 builds without TE; and,
    under TP, each chunk's kv down projection gathered with the rope key's gradient summed over TP
-   (`MLA_ROPE_KEY_GRAD`: stock, tp2-sp trained with a 3.4% grad-norm error).
+   (`MLA_ROPE_KEY_GRAD`: stock, tp2-sp trained with a 3.4% grad-norm error). Moonlight (q_lora_rank None,
+   issue 37) needs nothing more here: mbridge maps `linear_q_proj` to HF's `q_proj` itself (split over TP by
+   heads), override 15's view leaves plain RoPE as the bridge's default "rope" (RotaryEmbedding, softmax scale
+   1/sqrt(q head)), and megatron-core 0.16.1 builds the spec's plain linear_q_proj without a query norm
+   (`use_mla_plain_query` is megatron-core 0.19.2's workaround, a no-op on 0.16.1).
 18. The export walk (mbridge 0.15.1, speed): stock `export_weights` exchanges each tensor's name and spec
    over the pipeline group with two `all_gather_object` and one `broadcast_object_list` per tensor, even
    at pp 1: 0.22-0.24 s of a 0.33 s weight update of qwen3-0.6b-shape into vLLM on an H100
@@ -196,12 +200,16 @@ _MOE_LOCAL_FUSIONS_OFF = {name: False for name in (
 QWEN2_MOE_SHARED_EXPERT = {"moe_shared_expert_gate": True, "moe_shared_expert_overlap": False}
 # GLM-4.5-MoE's shared expert without stream overlap (override 14): CUDA streams, which the CPU tier lacks.
 GLM4_MOE_SETTINGS = {"moe_shared_expert_overlap": False, "moe_router_bias_update_rate": 0.0}
-# DeepSeek-V3's router and shared experts as HF computes them (override 16).
+# DeepSeek-V3's router and shared experts as HF computes them (override 16), and MLA's RoPE module by the
+# checkpoint's rope type: YaRN, or (Moonlight) plain RoPE. Megatron-Bridge 0.6.2 leaves a plain-RoPE model
+# MLATransformerConfig's default rope_type "yarn" (at factor 1 and mscale 1: YaRN's ramp blends two equal
+# inv_freq tables, measured bit-equal to HF's at the tiny 8 and Moonlight's 64 rope dims); "rope" builds
+# megatron-core's RotaryEmbedding, HF's default table by the same formula, the module mbridge's bridge builds.
 def deepseek_v3_settings(hf_config: PretrainedConfig) -> dict[str, Any]:
     return {"moe_router_num_groups": getattr(hf_config, "n_group", None) or None,
             "moe_router_group_topk": getattr(hf_config, "topk_group", None) or None,
             "moe_router_bias_update_rate": 0.0, "moe_shared_expert_overlap": False, "apply_rope_fusion": False,
-            "mtp_num_layers": None}
+            "mtp_num_layers": None, "rope_type": "yarn" if rope_settings(hf_config).yarn else "rope"}
 
 
 class _RopeConfigView:
@@ -458,9 +466,9 @@ class HarnessBridgeMixin:
         # Override 6: LocalRMSNorm in every norm slot.
         spec = local_block_spec(self.config, vp_stage=vp_stage, norm_precision=self.harness_norm_precision)
         if getattr(self.config, "multi_latent_attention", False):  # override 17
-            from harness.compat.megatron_core import use_mla_local_core_attention
+            from harness.compat.megatron_core import use_mla_local_core_attention, use_mla_plain_query
 
-            spec = use_mla_local_core_attention(spec)
+            spec = use_mla_plain_query(use_mla_local_core_attention(spec), self.config)  # 0.16.1: as it is
         return spec
 
 

@@ -29,9 +29,11 @@ What is refused, and why each would otherwise go wrong without an error:
   neither side computes them, and their checkpoint tensors (`model.layers.<num_hidden_layers + i>.*`) are
   not loaded (`glm4_moe_mtp_layers`);
 - DeepSeek-V3 (both bridges; Megatron-Bridge since issue 37's stack-B port): a router megatron-core cannot reproduce (norm_topk_prob=False, a group
-  score other than HF's top 2, n_group not dividing the experts), no shared experts, no low-rank query,
+  score other than HF's top 2, n_group not dividing the experts), no shared experts,
   plain-halves RoPE, MTP layers, an FP8-quantised checkpoint, a YaRN without every value megatron-core
-  takes (`_yarn_values`); MLA's TP splits are layout checks (`harness.parallel.layout`);
+  takes (`_yarn_values`); MLA's TP splits are layout checks (`harness.parallel.layout`). The query is either
+  DeepSeek-V3's low-rank one or (q_lora_rank None: Moonlight) one q_proj, the checkpoint's tensors checked
+  against the config's (`_deepseek_v3_tensor_names`);
 - hidden_act other than silu (mbridge always builds SwiGLU);
 - sliding-window attention (Megatron's local spec attends to the full causal context), but Gemma 3's;
 - Gemma 3 text (`gemma3_text`, built by the harness's own pieces on mbridge, harness.bridge.gemma3):
@@ -287,9 +289,6 @@ def _unsupported_deepseek_v3(hf_config: PretrainedConfig) -> list[str]:
     if not getattr(hf_config, "n_shared_experts", None):
         found.append(f"n_shared_experts={getattr(hf_config, 'n_shared_experts', None)}: the harness's DeepSeek-V3 "
                      "has shared experts (mbridge sizes them moe_intermediate_size x n_shared_experts)")
-    if getattr(hf_config, "q_lora_rank", None) is None:
-        found.append("q_lora_rank=None (a plain q_proj): the harness maps and checks only DeepSeek-V3's "
-                     "low-rank query (q_a_proj, q_a_layernorm, q_b_proj)")
     if not getattr(hf_config, "rope_interleave", True):
         found.append("rope_interleave=False: megatron-core's MLA always rotates DeepSeek's interleaved pairs")
     if getattr(hf_config, "quantization_config", None):
@@ -545,11 +544,14 @@ def _glm4_moe_tensor_names(hf_config: PretrainedConfig, names: set[str]) -> set[
 
 
 def _deepseek_v3_tensor_names(hf_config: PretrainedConfig, names: set[str]) -> set[str]:
-    """DeepSeek-V3's: MLA (the low-rank query), the first first_k_dense_replace layers dense, the rest
-    sparse with the router's e_score_correction_bias and the shared experts."""
+    """DeepSeek-V3's: MLA, the first first_k_dense_replace layers dense, the rest sparse with the router's
+    e_score_correction_bias and the shared experts. The query is DeepSeek-V3's low-rank one (q_a_proj,
+    q_a_layernorm, q_b_proj) or, with q_lora_rank None (Moonlight), one q_proj: a checkpoint holding the
+    other's tensors is refused (they would be dropped silently)."""
+    query = ("q_proj",) if hf_config.q_lora_rank is None else ("q_a_proj", "q_a_layernorm", "q_b_proj")
     attention = ["input_layernorm.weight", "post_attention_layernorm.weight",
-                 *(f"self_attn.{p}.weight" for p in ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa",
-                                                     "kv_a_layernorm", "kv_b_proj", "o_proj"))]
+                 *(f"self_attn.{p}.weight" for p in (*query, "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj",
+                                                     "o_proj"))]
     return _dense_first_then_routed(hf_config, names, attention)
 
 

@@ -682,6 +682,57 @@ def sum_mla_rope_key_grad(model: torch.nn.Module, config) -> int:
     return len(layers)
 
 
+
+# megatron-core 0.19.2's MLA without q LoRA (q_lora_rank None: Moonlight, DeepSeek-V2-Lite; found here, issue 37):
+# its QK-norm resolver (`mla_qk_norm_config.QKNormConfigResolver`, new since 0.16.1, upstream Megatron-LM #4452),
+# with qk_layernorm on (both bridges set it for kv_a_layernorm), builds `linear_q_proj` from the backend's fused
+# norm+linear whatever the spec names: on TE's spec an RMSNorm HF's q_proj does not have, its weight mapped by no
+# bridge (NVIDIA-NeMo/Megatron-Bridge #5261, fixed there by PR 5262's MLASelfAttentionWithoutQueryNorm, after
+# 0.6.2); on the local spec, which has no fused norm+linear, it cannot build at all: the local spec's q_layernorm
+# slot (filled under qk_layernorm) raises "`q_layernorm=...` is non-trivial, but `q_lora_rank is None`", and
+# emptied, "qk_layernorm requires TransformerEngine ... to build `linear_q_proj`" (tiny-moonlight, Megatron-Bridge
+# 0.6.2, 2026-12-03). 0.16.1 builds the spec's plain linear_q_proj and no query norm (no resolver): not needed.
+# We build those layers with a subclass that resolves the kv norm and kv_up_proj as stock and keeps the spec's
+# plain column-parallel linear_q_proj, no query norm (upstream's fix, on the local spec too).
+MLA_PLAIN_QUERY = Workaround(
+    "mla-plain-query", "MLA with q_lora_rank None and qk_layernorm: the QK-norm resolver builds linear_q_proj as a "
+    "fused norm+linear (an extra query RMSNorm on TE's spec; on the local spec no module at all)", ("0.19.2",),
+    not_needed_on=("0.16.1",))
+
+
+@functools.cache
+def _mla_plain_query_attention() -> type:
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mla_qk_norm_config import QKNormConfigResolver
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    class MLASelfAttentionPlainQuery(MLASelfAttention):
+        """MLA_PLAIN_QUERY: the spec's linear_q_proj as it is, no query norm, the kv side resolved as stock."""
+
+        def _resolve_qk_norm_config(self, submodules):
+            if self.config.q_lora_rank is not None:
+                return super()._resolve_qk_norm_config(submodules)
+            resolver = QKNormConfigResolver(self.config, submodules)
+            resolver.has_q_lora = True  # resolve as for a low-rank query (kv as stock); its query modules unused
+            return {**resolver.resolve(), "linear_q_proj": submodules.linear_q_proj, "q_layernorm": IdentityOp}
+
+    return MLASelfAttentionPlainQuery
+
+
+def use_mla_plain_query(block_spec: Any, config: Any) -> Any:
+    """`MLA_PLAIN_QUERY`: with q_lora_rank None, every MLASelfAttention of the block spec built by the subclass
+    above, where megatron-core has the resolver (0.19.2; 0.16.1 has none: the spec as it is). Returns the spec."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    if getattr(config, "q_lora_rank", 1) is not None or not hasattr(MLASelfAttention, "_resolve_qk_norm_config"):
+        return block_spec
+    require(MLA_PLAIN_QUERY)
+    for layer in getattr(block_spec, "layer_specs", None) or [block_spec]:
+        attention = getattr(layer.submodules, "self_attention", None)
+        if attention is not None and attention.module is MLASelfAttention:
+            attention.module = _mla_plain_query_attention()
+    return block_spec
+
 # ------------------------------------------------------------------------------ RoPE rounded once
 # megatron-core's unfused RoPE (the local spec; `_apply_rotary_pos_emb_bshd` in rope_utils) computes
 # `t * cos_ + rotate_half(t) * sin_` in the activation dtype: in bf16 each product and the sum round. vLLM's

@@ -71,7 +71,7 @@ models and the Qwen3-0.6B shape, CPU and H100):
      once either way, seen with top-4), rounded; the shared experts (`shared_experts`, no gate) the
      dense MLP under `tp`, added after the routed sum.
 6. Multi-head latent attention (DeepSeek-V3): the down and up projections are column-parallel (no
-   partial sums); o_proj is row-parallel (3.).
+   partial sums), and so is the one q_proj of a model without q LoRA (Moonlight); o_proj is row-parallel (3.).
 
 The norms are matched the other way round: the harness's own local-spec RMSNorm rounds as HF does
 (harness.bridge.norms). In float32 the arrangements change nothing measurable (~1e-7).
@@ -399,9 +399,16 @@ class MegatronRoundedDeepseekMoE(MegatronRoundedMoE):
         return out.to(tokens.dtype)
 
 
-# Multi-head latent attention's projections (DeepSeek-V3), by how Megatron partitions them.
+# Multi-head latent attention's projections (DeepSeek-V3), by how Megatron partitions them; a model without
+# q LoRA (q_lora_rank None: Moonlight) has one q_proj for the first two (megatron-core's linear_q_proj, also
+# column-parallel).
 _MLA_COLUMN_PARALLEL = ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa",
                         "self_attn.kv_b_proj")
+_MLA_PLAIN_QUERY_COLUMN_PARALLEL = ("self_attn.q_proj",) + _MLA_COLUMN_PARALLEL[2:]
+
+
+def _mla_column_parallel(attention: nn.Module) -> tuple[str, ...]:
+    return _MLA_PLAIN_QUERY_COLUMN_PARALLEL if attention.q_lora_rank is None else _MLA_COLUMN_PARALLEL
 
 
 def _is_sparse_block(mlp: nn.Module) -> bool:
@@ -435,7 +442,7 @@ def arrange_like_megatron(model: nn.Module, *, tp: int = 1, expert_tp: int | Non
                          else MegatronRoundedDeepseekMoE(sparse, expert_tp, tp) if deepseek
                          else MegatronRoundedMoE(sparse, expert_tp, tp))
         mla = hasattr(layer.self_attn, "kv_a_proj_with_mqa")
-        column = (_MLA_COLUMN_PARALLEL + _COLUMN_PARALLEL[3:]) if mla else _COLUMN_PARALLEL
+        column = (_mla_column_parallel(layer.self_attn) + _COLUMN_PARALLEL[3:]) if mla else _COLUMN_PARALLEL
         for path, partitions in [(p, 1) for p in column] + [(p, tp) for p in _ROW_PARALLEL]:
             if sparse is not None and path.startswith("mlp."):
                 continue

@@ -420,15 +420,46 @@ def test_deepseek_v3_unsupported_feature_is_one_error(tmp_path, config, drop, me
     _assert_family_refuses(tmp_path, "tiny-deepseek-v3", "deepseek_v3", config, drop, message)
 
 
-def test_deepseek_v3_without_the_low_rank_query_is_refused():
-    """q_lora_rank None (a plain q_proj): not mapped or checked by the harness (a config object: the
-    checkpoint helper above writes None as an absent key, which DeepseekV3Config fills with 1536)."""
-    config = load_hf_config("tiny-deepseek-v3")
-    config.q_lora_rank = None
-    if not bridge_converts(config):
-        return  # refused by the bridge's name first (test_deepseek_v3_unsupported_feature_is_one_error)
-    with pytest.raises(UnsupportedModelError, match="q_lora_rank=None"):
-        check_model_supported(config)
+def test_moonlight_without_the_low_rank_query_is_converted_by_both_bridges():
+    """q_lora_rank None (Moonlight: one q_proj, megatron-core's linear_q_proj, which both bridges map) passes,
+    its expected tensors naming q_proj and none of DeepSeek-V3's low-rank query."""
+    from harness.bridge.preflight import BRIDGE_MODEL_TYPES
+
+    assert all("deepseek_v3" in types for types in BRIDGE_MODEL_TYPES.values())
+    config = check_model_supported("tiny-moonlight")
+    assert config.model_type == "deepseek_v3" and config.q_lora_rank is None and bridge_converts("tiny-moonlight")
+    attention = {name.split(".self_attn.")[1] for name in expected_tensor_names(config) if ".self_attn." in name}
+    assert "q_proj.weight" in attention and not {"q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight"} & attention
+
+
+# A checkpoint whose query tensors are the other MLA query's: one error before any rank (the bridge would map
+# the config's query and leave the stored one unread, or find its own missing deep inside a rank).
+_LOW_RANK_QUERY = ("q_a_proj", "q_a_layernorm", "q_b_proj")
+
+
+def test_moonlight_checkpoint_with_the_low_rank_query_tensors_is_refused(tmp_path):
+    """config.json's q_lora_rank null kept (local_checkpoint drops None values, and DeepseekV3Config would
+    read an absent q_lora_rank as 1536), DeepSeek-V3's low-rank query tensors stored beside q_proj."""
+    state = load_file(resolve_model("tiny-deepseek-v3") / "model.safetensors")
+    path = tmp_path / "tiny-moonlight-edited"
+    shutil.copytree(resolve_model("tiny-moonlight"), path)
+    assert json.loads((path / "config.json").read_text())["q_lora_rank"] is None
+    stored = load_file(path / "model.safetensors")
+    low_rank = {n: t for n, t in state.items() if n.split(".")[-2] in _LOW_RANK_QUERY}
+    save_file({**stored, **low_rank}, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UnsupportedModelError, match="no Megatron counterpart .*self_attn.q_a_layernorm.weight"):
+        check_model_supported(path)
+
+
+def test_deepseek_v3_checkpoint_with_a_plain_query_is_refused(tmp_path):
+    """q_lora_rank 32 in config.json, the tensors Moonlight's one q_proj: the low-rank query is missing."""
+    state = load_file(resolve_model("tiny-moonlight") / "model.safetensors")
+    plain = {n: t for n, t in state.items() if n.endswith("self_attn.q_proj.weight")}
+    drop = tuple(n for n in load_file(resolve_model("tiny-deepseek-v3") / "model.safetensors")
+                 if n.split(".")[-2] in _LOW_RANK_QUERY)
+    path = local_checkpoint(tmp_path, "tiny-deepseek-v3", add=plain, drop=drop)
+    with pytest.raises(UnsupportedModelError, match="no Megatron counterpart .*self_attn.q_proj.weight"):
+        check_model_supported(path)
 
 
 def test_deepseek_v3_layouts_mla_cannot_split_are_refused():

@@ -222,3 +222,13 @@ def test_deepseek_v3_resume_at_another_expert_layout(policy, device, source, tar
     skip_unless_converted("tiny-deepseek-v3")
     per_layer = [f"{p}decoder.layers.{layer}.mlp.experts." for layer in (1, 2, 3) for p in ("", "optimizer.state.exp_avg.")]
     _resume_elsewhere(policy, source, target, tmp_path, report, model="tiny-deepseek-v3", experts=per_layer)
+
+
+@pytest.mark.nightly
+@pytest.mark.layout_pairs(cpu=[("dp2ep2", "tp2-sp")])
+def test_moonlight_resume_at_another_expert_layout(policy, device, source, target, tmp_path, report):
+    """Moonlight (both stacks): MLA's one q_proj (whole per rank at dp2ep2, split by heads at tp2-sp) reshards
+    with the rest of DeepSeek-V3's model: the re-save equals the source, the next step holds the bounds."""
+    skip_unless_converted("tiny-moonlight")
+    per_layer = [f"{p}decoder.layers.{layer}.mlp.experts." for layer in (1, 2, 3) for p in ("", "optimizer.state.exp_avg.")]
+    _resume_elsewhere(policy, source, target, tmp_path, report, model="tiny-moonlight", experts=per_layer)

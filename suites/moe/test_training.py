@@ -153,3 +153,15 @@ DEEPSEEK_V3 = "tiny-deepseek-v3"
 def test_deepseek_v3_policy_steps_match_ground_truth(policy, device, layout, report):
 
     _check_family(policy, layout, report, DEEPSEEK_V3)
+
+
+# Moonlight (both stacks): DeepSeek-V3's architecture with one q_proj (no q LoRA), plain RoPE and no expert
+# groups trains as in one process; under TP with the same MLA rope-key workaround (MLA_ROPE_KEY_GRAD: the kv
+# down projection is DeepSeek-V3's, whatever the query). Nightly (CI's budget).
+MOONLIGHT = "tiny-moonlight"
+
+
+@pytest.mark.nightly
+@pytest.mark.layouts(cpu=["tp1", "tp2-sp", "dp2ep2", "pp2"], cuda=["tp1", "tp2-sp", "dp2ep2", "pp2"])
+def test_moonlight_policy_steps_match_ground_truth(policy, device, layout, report):
+    _check_family(policy, layout, report, MOONLIGHT)

@@ -41,7 +41,11 @@ What is set on Megatron-Bridge's model provider, and why (so that both bridges b
   stream overlap, fused RoPE or MTP); on the local spec MLA's core attention and, under TP, its rope key's
   gradient (harness.compat.megatron_core: MLA_LOCAL_CORE_ATTENTION, MLA_ROPE_KEY_GRAD, seen on 0.19.2 as on
   0.16.1). The bridge's YaRN (rotary_scaling_factor, mscale, mscale_all_dim, ...) and its mapping of
-  e_score_correction_bias to the router's expert_bias are its own, unchanged.
+  e_score_correction_bias to the router's expert_bias are its own, unchanged. Moonlight (q_lora_rank None: one
+  q_proj, which the bridge maps to linear_q_proj itself): plain RoPE built as RotaryEmbedding (`rope_type` in
+  `deepseek_v3_settings`: the provider keeps MLATransformerConfig's "yarn" at factor 1), and megatron-core
+  0.19.2's query-norm resolver worked around on both specs (harness.compat.megatron_core.MLA_PLAIN_QUERY: stock,
+  the local spec does not build, TE's adds a query RMSNorm HF does not have; TE not run here).
 """
 from __future__ import annotations
 
@@ -120,6 +124,8 @@ class MegatronBridgeHandle:
             provider.attention_backend = AttnBackend.local
             if num_experts(self.hf_config):
                 overrides.update(moe_grouped_gemm=False, moe_router_fusion=False)
+        elif getattr(self.hf_config, "q_lora_rank", 1) is None:  # Moonlight on TE's spec (not run here: no TE)
+            provider.transformer_layer_spec = self._te_spec_with_plain_query(provider.transformer_layer_spec)
         if num_experts(self.hf_config):  # the provider's aux loss off, as on the other bridge
             overrides.update(MOE_TRAINING_SETTINGS)
         # On both specs: megatron-core's defaults (what mbridge builds, what the harness's TE figures were
@@ -168,9 +174,18 @@ class MegatronBridgeHandle:
     def _local_spec(self, config, vp_stage: int | None = None):
         spec = local_block_spec(config, vp_stage=vp_stage, norm_precision=self.harness_norm_precision)
         if getattr(config, "multi_latent_attention", False):  # DeepSeek-V3: MLA's local core attention
-            from harness.compat.megatron_core import use_mla_local_core_attention
+            from harness.compat.megatron_core import use_mla_local_core_attention, use_mla_plain_query
 
-            spec = use_mla_local_core_attention(spec)
+            spec = use_mla_plain_query(use_mla_local_core_attention(spec), config)  # Moonlight: its q_proj
+        return spec
+
+    def _te_spec_with_plain_query(self, stock):
+        """TE's spec, as the provider builds it, with MLA_PLAIN_QUERY (q_lora_rank None) as on the local spec."""
+        from harness.compat.megatron_core import use_mla_plain_query
+
+        def spec(config, vp_stage: int | None = None):
+            return use_mla_plain_query(stock(config, vp_stage=vp_stage), config)
+
         return spec
 
     # ----------------------------------------------------------------- what harness.bridge.load calls
