@@ -25,6 +25,16 @@ gated on the vLLM versions it was verified on.
   vLLM PR 51665's symptom (a tied lm_head left stale by a weight update) by another mechanism. The
   workaround reprocesses every lm_head tied to an embedding after each in-place reload, as the first
   load did.
+- `GPT_OSS_RELOAD_DIRECT_COPIES` (found by this harness): gpt-oss's unquantized load path
+  (`GptOssModel._load_weights_other` in vllm/model_executor/models/gpt_oss.py) copies each layer's fused
+  experts (w13/w2 weights and biases) and its attention sinks straight into the parameters (`param.copy_`),
+  not through their weight loaders. vLLM's layerwise `reload_weights` puts every parameter on the meta device
+  and counts what the wrapped loaders take: those copies land on meta tensors, the layers count nothing
+  loaded, and the finalize puts the old tensors back. A reload of a perturbed state left every expert and
+  sink tensor at its old value and the logprobs 2.1 to 2.6 off HF (tiny-gpt-oss-hd32, fp32, two updates;
+  suites/rollout/test_vllm_families.py's guard test measures it each run). The workaround hands the experts
+  to vLLM's own per-expert path (`_try_load_streamed_expert`: `experts.<e>.w13_weight` etc., through the
+  experts' weight loader) and the sinks to their parameter's weight loader.
 - `CPU_NO_AMX` (found by this harness): on CPU, vLLM takes AMX kernels whenever torch reports AMX tiles
   (`torch.cpu._is_amx_tile_supported()`): bf16 attention (`_get_attn_isa` in
   vllm/v1/attention/backends/cpu_attn.py) and the small GEMMs' sgl kernels (`check_cpu_sgl_kernel` in
@@ -38,14 +48,15 @@ gated on the vLLM versions it was verified on.
 The gate, as in harness.compat.megatron_core: `install` raises `UnverifiedVLLMError` on a vLLM
 version a workaround was not verified on, before anything changes (the engine does not start; a
 model that needs none of them starts on any version). Re-verify with suites/moe/test_vllm.py
-(`test_the_cpu_moe_reload_workaround_is_still_needed` shows whether the bug is still there), then add
-the version to `verified_on`.
+(`test_the_cpu_moe_reload_workaround_is_still_needed` shows whether the bug is still there; each workaround's
+`guard` names its test file), then add the version to `verified_on`.
 
 This module runs under the vLLM environment's Python, which has no harness dependencies: it imports
 only the standard library at import time, and vllm inside `install`.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +72,7 @@ class Workaround:
     name: str
     bug: str  # the upstream behaviour it works around, in one line
     verified_on: tuple[str, ...]  # vllm.__version__ values
+    guard: str = "suites/moe/test_vllm.py"  # where re-verifying starts: the test that shows the bug
 
 
 CPU_MOE_RELOAD_REPACK = Workaround(
@@ -75,7 +87,11 @@ CPU_NO_AMX = Workaround(
     "cpu-no-amx", "vLLM's CPU kernels take AMX whenever torch reports AMX tiles; on a Xeon VM with "
     "amx_bf16/amx_tile/amx_int8 its bf16 attention died with SIGILL and its brgemm under the oneDNN pin with a "
     "c10::Error: report no AMX", ("0.32.0",))
-WORKAROUNDS = (CPU_MOE_RELOAD_REPACK, CPU_TIED_LM_HEAD_REPACK, CPU_NO_AMX)
+GPT_OSS_RELOAD_DIRECT_COPIES = Workaround(
+    "gpt-oss-reload-direct-copies", "gpt-oss's unquantized load_weights copies the experts and sinks straight into "
+    "the parameters, past the weight loaders vLLM's layerwise reload_weights tracks: a reload keeps the old "
+    "experts and sinks", ("0.32.0",), guard="suites/rollout/test_vllm_families.py")
+WORKAROUNDS = (CPU_MOE_RELOAD_REPACK, CPU_TIED_LM_HEAD_REPACK, CPU_NO_AMX, GPT_OSS_RELOAD_DIRECT_COPIES)
 
 # Which installed workarounds act: the guard test turns one off to show the bug is still there.
 _ENABLED: dict[str, bool] = {}
@@ -91,17 +107,19 @@ def version() -> str | None:
 
 def require(workaround: Workaround) -> None:
     refuse_unverified(UnverifiedVLLMError, "vLLM", version(), workaround.name, workaround.verified_on,
-                      "suites/moe/test_vllm.py")
+                      workaround.guard)
 
 
 def needed(hf_config: dict[str, Any], device: str) -> list[Workaround]:
     """The workarounds a model (its config.json, as a dict) needs on `device`."""
     if device != "cpu":
         return []
-    experts = hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0
+    experts = (hf_config.get("num_experts") or hf_config.get("num_local_experts")  # Qwen-MoE / Mixtral, gpt-oss
+               or hf_config.get("n_routed_experts") or 0)  # GLM-4.5-MoE, DeepSeek-V3
     return ([CPU_MOE_RELOAD_REPACK] if experts > 0 else []) + \
         ([CPU_TIED_LM_HEAD_REPACK] if hf_config.get("tie_word_embeddings", False) else []) + \
-        ([CPU_NO_AMX] if device == "cpu" and _amx_reported() else [])
+        ([CPU_NO_AMX] if device == "cpu" and _amx_reported() else []) + \
+        ([GPT_OSS_RELOAD_DIRECT_COPIES] if hf_config.get("model_type") == "gpt_oss" else [])
 
 
 def _amx_reported() -> bool:
@@ -187,6 +205,38 @@ def _patch_cpu_no_amx() -> None:
     torch.cpu._is_amx_tile_supported = _is_amx_tile_supported  # vLLM asks at each kernel choice
 
 
+# gpt-oss's fused expert tensors, as GptOssModel.load_weights gets them (after GptOssForCausalLM's mapper)
+_GPT_OSS_FUSED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(w13_weight|w2_weight|w13_bias|w2_bias)$")
+
+
+def _patch_gpt_oss_reload_direct_copies() -> None:
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+    from vllm.model_executor.models.gpt_oss import GptOssModel
+
+    original = GptOssModel._load_weights_other
+
+    def _load_weights_other(self, ep_rank_end, ep_rank_start, heads_per_rank, head_start, weights, stacked):
+        if not _ENABLED.get(GPT_OSS_RELOAD_DIRECT_COPIES.name):
+            return original(self, ep_rank_end, ep_rank_start, heads_per_rank, head_start, weights, stacked)
+        params, loaded, rest = dict(self.named_parameters()), set(), []
+        for name, weight in weights:
+            fused = _GPT_OSS_FUSED_EXPERTS.match(name)
+            if name.endswith(".sinks"):  # through the parameter's loader (the original copies into it)
+                param = params[name]
+                getattr(param, "weight_loader", default_weight_loader)(
+                    param, weight.narrow(0, head_start, heads_per_rank))
+                loaded.add(name)
+            elif fused:  # one tensor per expert: vLLM's streamed-expert path, through the experts' loader
+                rest.extend((f"{fused.group(1)}.{e}.{fused.group(2)}", weight[e]) for e in range(weight.shape[0]))
+            else:
+                rest.append((name, weight))
+        return loaded | original(self, ep_rank_end, ep_rank_start, heads_per_rank, head_start, rest, stacked)
+
+    _load_weights_other.__wrapped__ = original
+    GptOssModel._load_weights_other = _load_weights_other
+
+
 _PATCHES = {CPU_MOE_RELOAD_REPACK.name: _patch_cpu_moe_reload_repack,
             CPU_TIED_LM_HEAD_REPACK.name: _patch_cpu_tied_lm_head_repack,
-            CPU_NO_AMX.name: _patch_cpu_no_amx}
+            CPU_NO_AMX.name: _patch_cpu_no_amx,
+            GPT_OSS_RELOAD_DIRECT_COPIES.name: _patch_gpt_oss_reload_direct_copies}

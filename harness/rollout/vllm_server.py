@@ -33,14 +33,20 @@ sys.path.append(str(Path(__file__).resolve().parents[2]))  # for harness.compat.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # CI containers: no core pinning
 
-# vLLM's packed modules (Qwen2/Qwen3/Llama `packed_modules_mapping`): the HF names they fuse, in order.
-PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-# vLLM's FusedMoE parameters (Qwen3-MoE): gate/up of every expert stacked in w13, down in w2.
-_EXPERTS = re.compile(r"^(.*\.experts)\.(?:routed_experts\.)?(w13_weight|w2_weight)$")
-# Fused groups of vLLM's packed modules: a member's name -> the group's name ...
-_GROUPS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"}
-# ... and a MoE layer's experts, one FusedMoE module: an expert's tensor -> the layer's experts.
-_EXPERT = re.compile(r"^(.*\.experts)\.\d+\.")
+# vLLM's packed modules: the HF names they fuse, in order (q/k/v and gate/up of every family here; DeepSeek-V3's
+# MLA fuses q_a_proj with kv_a_proj_with_mqa, split at q_lora_rank rows).
+PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+          "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa")}
+# vLLM's FusedMoE parameters: gate/up of every expert stacked in w13, down in w2 (and their biases: gpt-oss).
+_EXPERTS = re.compile(r"^(.*\.experts)\.(?:routed_experts\.)?(w13_weight|w2_weight|w13_bias|w2_bias)$")
+# A model whose checkpoint holds each layer's experts as one 3-D tensor per projection (vLLM's
+# `is_3d_moe_weight`: gpt-oss, [experts, hidden, 2 x width] gate/up interleaved, [experts, width, hidden]
+# down): vLLM's w13/w2 are those transposed (gpt_oss.py `_load_weights_other`: permute(0, 2, 1)).
+_EXPERTS_3D = {"w13_weight": "gate_up_proj", "w2_weight": "down_proj", "w13_bias": "gate_up_proj_bias",
+               "w2_bias": "down_proj_bias"}
+# vLLM module paths that differ from the checkpoint's, by model class (vLLM name -> HF name, in order).
+_RENAMES = {"GptOssForCausalLM": ((re.compile(r"^model\.embedding\."), "model.embed_tokens."),
+                                  (re.compile(r"^(model\.layers\.\d+)\.attn\."), r"\1.self_attn."))}
 
 # How a weight update reaches vLLM's tensors (`Server.load`; VLLMEngine(load_path=...)):
 # - "reload": vLLM's `reload_weights` (model runner -> model_loader/reload/layerwise.py). Per call it puts
@@ -158,12 +164,13 @@ class Server:
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.vocab_size = config.vocab_size
+        self.q_lora_rank = getattr(config, "q_lora_rank", None)  # MLA: the rows of q_a_proj in fused_qkv_a_proj
         self.torch = torch
         self.stale_kv = False
         self.pending: dict[str, dict] = {}  # a fused group's members received so far, by group
-        self.names: list[str] = []
+        self.checkpoint_names = _checkpoint_names(model)
         self.attention_backend = self._attention_backend()
-        self.names = list(self.weights())
+        self._index_fused_groups()
         self.load_path, self.load_path_reason = self._load_path(load_path)
 
     def _attention_backend(self) -> str | None:
@@ -394,21 +401,31 @@ class Server:
 
         self.llm.apply_model(tie)
 
-    @staticmethod
-    def _group(name: str) -> str | None:
-        expert = _EXPERT.match(name)
-        if expert:  # a MoE layer's experts: one FusedMoE module (w13, w2) in vLLM
-            return expert.group(1)
-        for member, packed in _GROUPS.items():
-            if f".{member}." in name:
-                return name.replace(member, packed)
-        return None
+    def _index_fused_groups(self) -> None:
+        """Which vLLM module takes each checkpoint tensor; checks that every one has a place in vLLM's model
+        before any load."""
+        tensors = self._tensors()
+        missing = sorted(set(self.checkpoint_names) - set(tensors))
+        if missing:
+            raise ValueError(f"vLLM's model holds no tensor the adapter maps to {len(missing)} checkpoint tensors "
+                             f"(harness/rollout/vllm_server.py `_unpack`): {', '.join(missing[:4])}")
+        self.index_groups({name: module for name, (module, _) in tensors.items()})
+
+    def index_groups(self, module_of: dict[str, str]) -> None:
+        """The fused groups: vLLM modules that take more than one checkpoint tensor (q/k/v weights and biases
+        in qkv_proj, a MoE layer's experts in one FusedMoE, MLA's q_a/kv_a in fused_qkv_a_proj), by module."""
+        members: dict[str, list[str]] = {}
+        for name, module in module_of.items():
+            members.setdefault(module, []).append(name)
+        self.module_of = dict(module_of)
+        self.groups = {module: names for module, names in members.items() if len(names) > 1}
+
+    def _group(self, name: str) -> str | None:
+        module = self.module_of.get(name)
+        return module if module in self.groups else None
 
     def _members(self, group: str) -> list[str]:
-        if group.endswith(".experts"):
-            return [name for name in self.names if name.startswith(f"{group}.")]
-        return [group.replace("qkv_proj", m) for m in ("q_proj", "k_proj", "v_proj")
-                if group.replace("qkv_proj", m) in self.names]
+        return self.groups[group]
 
     def reset(self) -> int:
         """Back to the weights of the checkpoint the engine started from."""
@@ -462,8 +479,15 @@ class Server:
         return {"env": bool(envs.VLLM_BATCH_INVARIANT), "mode": mode, "attention_backend": self.attention_backend}
 
     def weights(self) -> dict:
-        """The engine's weights by HF name: packed modules split back, CPU-prepacked ones from the copy."""
+        """The engine's weights by checkpoint name: packed modules split back, CPU-prepacked ones from the copy.
+        vLLM parameters that hold no checkpoint tensor (a tied lm_head: the embedding's) are not listed."""
+        return {name: tensor for name, (_, tensor) in self._tensors().items()}
+
+    def _tensors(self) -> dict:
+        """Checkpoint name -> (the vLLM module holding it, the tensor as the engine computes with it)."""
         def collect(model):
+            rename = _RENAMES.get(type(model).__name__, ())
+            experts_3d = bool(getattr(type(model), "is_3d_moe_weight", False))
             out = {}
             for module_name, module in model.named_modules():
                 for param_name, param in module.named_parameters(recurse=False):
@@ -471,25 +495,37 @@ class Server:
                     if param_name == "weight" and hasattr(module, "_mrh_weight"):
                         tensor = module._mrh_weight
                     tensor = getattr(module, f"_mrh_{param_name}", tensor)  # a MoE layer's experts (CPU)
-                    out.update(self._unpack(f"{module_name}.{param_name}", tensor.cpu().clone()))
+                    name = f"{module_name}.{param_name}"
+                    for pattern, replacement in rename:
+                        name = pattern.sub(replacement, name)
+                    for hf_name, piece in self._unpack(name, tensor.cpu().clone(), experts_3d).items():
+                        out[hf_name] = (module_name, piece)
             return out
 
-        return self.llm.apply_model(collect)[0]
+        found = self.llm.apply_model(collect)[0]
+        return {name: found[name] for name in self.checkpoint_names if name in found}
 
-    def _unpack(self, name: str, tensor) -> dict:
+    def _unpack(self, name: str, tensor, experts_3d: bool = False) -> dict:
         if name.endswith(("embed_tokens.weight", "lm_head.weight")):
             tensor = tensor[:self.vocab_size].clone()  # vLLM pads the vocabulary rows (to a multiple of 64)
         moe = _EXPERTS.match(name)
+        if moe and experts_3d:  # one checkpoint tensor per projection: vLLM's stack transposed back
+            prefix, which = moe.groups()
+            return {f"{prefix}.{_EXPERTS_3D[which]}": tensor.transpose(1, 2).contiguous() if tensor.dim() == 3
+                    else tensor}
         if moe:  # FusedMoE's [experts, 2 x width | hidden, ...] stacks: one HF tensor per expert
             prefix, which = moe.groups()
-            if which == "w2_weight":
-                return {f"{prefix}.{e}.down_proj.weight": t.clone() for e, t in enumerate(tensor)}
-            return {f"{prefix}.{e}.{part}.weight": half.clone() for e, t in enumerate(tensor)
+            kind = which.split("_")[1]  # weight or bias
+            if which.startswith("w2"):
+                return {f"{prefix}.{e}.down_proj.{kind}": t.clone() for e, t in enumerate(tensor)}
+            return {f"{prefix}.{e}.{part}.{kind}": half.clone() for e, t in enumerate(tensor)
                     for part, half in zip(("gate_proj", "up_proj"), t.chunk(2, 0))}
         for packed, parts in PACKED.items():
             if f".{packed}." in name:
                 if packed == "qkv_proj":
                     sizes = [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim]
+                elif packed == "fused_qkv_a_proj":
+                    sizes = [self.q_lora_rank, tensor.shape[0] - self.q_lora_rank]
                 else:
                     sizes = [tensor.shape[0] // 2] * 2
                 return {name.replace(packed, part): piece for part, piece in zip(parts, tensor.split(sizes, 0))}
@@ -542,6 +578,17 @@ def _load_in_place(weights, model) -> set[str]:
 
     with torch.no_grad():
         return model.load_weights(weights)
+
+
+def _checkpoint_names(model_dir: str) -> list[str]:
+    """The tensor names of the checkpoint the engine starts from (its safetensors headers only)."""
+    from safetensors import safe_open
+
+    names = []
+    for file in sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors")):
+        with safe_open(os.path.join(model_dir, file), framework="pt") as handle:
+            names.extend(handle.keys())
+    return names
 
 
 def _unfuse_all(weights):

@@ -22,11 +22,15 @@ import pytest
 import torch
 
 from harness.models import list_models, load_hf_config, resolve_model
+from harness.models.zoo import VLLM_CPU_TWINS
 from harness.parallel.layout import LayoutError, resolve, validate
 from harness.parallel.state import as_layout, run_in_layout
 
-# DeepSeek-V3 has its own (nightly) test below: the CI budget (issue 37).
-TINY_MODELS = [name for name in list_models() if name.startswith("tiny-") and name != "tiny-deepseek-v3"]
+# DeepSeek-V3 and Moonlight have their own (nightly) tests below: the CI budget (issue 37). The vLLM CPU tier's
+# twins of issue 37's families (VLLM_CPU_TWINS) convert by their tiny model's bridge code; the nightly syncs of
+# suites/rollout/test_vllm_families.py export them.
+OWN_TESTS = ("tiny-deepseek-v3", "tiny-moonlight", *VLLM_CPU_TWINS)
+TINY_MODELS = [name for name in list_models() if name.startswith("tiny-") and name not in OWN_TESTS]
 NIGHTLY = pytest.mark.nightly
 CPU_LAYOUTS = [pytest.param(name, marks=NIGHTLY) for name in ("tp1", "tp2", "pp2", "dp2", "tp2-sp")] + [
     "pp2vpp2", "tp2pp2", "dp2ep2", "tp2ep2etp1-sp"]  # the last two: MoE models only
@@ -127,6 +131,15 @@ def test_deepseek_v3_export_gives_back_the_checkpoint_exactly(world, device, lay
     """DeepSeek-V3 (both stacks): MLA's projections and norms, the dense first layer, the router's
     float32 expert bias and the shared experts, HF -> Megatron -> HF bit for bit."""
     test_export_gives_back_the_checkpoint_exactly(world, device, layout, report, models=["tiny-deepseek-v3"],
+                                                  dtypes=tuple(DTYPES))
+
+
+@pytest.mark.nightly
+@pytest.mark.layouts(cpu=["tp2-sp", "dp2ep2", "pp2"], cuda="all")
+def test_moonlight_export_gives_back_the_checkpoint_exactly(world, device, layout, report):
+    """Moonlight (both stacks): MLA's one q_proj (no q LoRA: megatron-core's linear_q_proj, split over TP by
+    heads) with the rest of DeepSeek-V3's tensors, HF -> Megatron -> HF bit for bit."""
+    test_export_gives_back_the_checkpoint_exactly(world, device, layout, report, models=["tiny-moonlight"],
                                                   dtypes=tuple(DTYPES))
 
 

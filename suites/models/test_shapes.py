@@ -11,7 +11,9 @@ width (13-15 B parameters with their 160-256 experts) are not here: in fp32 thei
 an 80 GB card.
 
 The family's stack refuses it by name where it cannot build it (skip_unless_converted): gpt-oss runs on
-stack B only, Gemma 3 on stack A only (and there on the local spec only, harness.bridge.gemma3).
+stack B only, Gemma 3 and Qwen2-MoE on stack A only (Gemma 3 there on the local spec only, harness.bridge.gemma3).
+DeepSeek-V3's MLA runs as Moonlight-16B-A3B's shape (moonlight-shape: 64 experts of 1408, ~2.4B parameters at 4
+layers), which one GPU holds where DeepSeek-V3's own does not.
 
 Training and checkpoints at real widths: the policy's two steps against the single-process ground truth
 (harness.training.invariance, the training table's bounds), and a checkpoint of the trained state resumed at
@@ -32,7 +34,7 @@ from harness.training.invariance import LOSS, UNCLIPPED
 from suites.training.test_policy import _check
 
 DENSE = ["qwen3-8b-shape", "gemma3-shape"]
-MOE = ["qwen3-30b-a3b-shape", "glm4.5-air-shape", "gpt-oss-shape"]
+MOE = ["qwen3-30b-a3b-shape", "glm4.5-air-shape", "gpt-oss-shape", "qwen2-moe-shape", "moonlight-shape"]
 # The issue's GPU layouts: tp1, tp2, pp2, and ep2 for the experts (ep2 on 2 ranks is dp2ep2). With tp,
 # megatron-core's MoE layer needs sequence parallelism: tp2-sp.
 DENSE_LAYOUTS = ["tp1", "tp2", "pp2"]
@@ -118,7 +120,7 @@ def test_moe_shape_models_match_hf(world, device, layout, model, dtype, hf_cache
 # What one GPU trains at tp1 in fp32 with Adam (16 bytes a parameter): the 2-4 B-parameter shapes. The
 # ground truth trains on the host (its model, gradients, Adam state and a copy of the start: 20 bytes a
 # parameter). glm4.5-air-shape (8.2 B) would need 131 GB on the GPU.
-TRAIN = ["qwen3-8b-shape", "qwen3-30b-a3b-shape", "gpt-oss-shape", "gemma3-shape"]
+TRAIN = ["qwen3-8b-shape", "qwen3-30b-a3b-shape", "gpt-oss-shape", "gemma3-shape", "qwen2-moe-shape", "moonlight-shape"]
 # The learning rate of the -shape models' steps: RL's (1e-6). At the tiny models' 1e-3, Adam's first step moves
 # every weight by ~1e-3, 6% of a hidden-4096 weight (std 4096 ** -0.5): the second step's loss was 8.7e9 on
 # qwen3-8b-shape (H200, 2026-12-01), ratios of e^20 that turn 1e-7 differences into 5e-4. At 1e-4 the CPU tier's

@@ -27,12 +27,13 @@ from harness.models import (
     zoo_dir,
 )
 from harness.models import checkpoints
-from harness.models.zoo import ZERO_CENTERED_NORMS
+from harness.models.zoo import VLLM_CPU_TWINS, ZERO_CENTERED_NORMS
 
 TINY = [name for name in list_models() if name.startswith("tiny-")]
 FAMILIES = ("tiny-qwen2", "tiny-qwen3", "tiny-llama")
 # Tied by their family's design (every Gemma 3 ties lm_head to embed_tokens), not by a -tied suffix.
 ALWAYS_TIED = ("qwen3-0.6b-shape", "tiny-gemma3", "gemma3-shape")
+MLA = ("tiny-deepseek-v3", "tiny-moonlight")  # DeepSeek-V3's architecture: heads and widths of its own
 
 
 def _state(name: str, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -48,13 +49,31 @@ def test_zoo_names():
                                                  "qwen3-8b-shape", "qwen3-30b-a3b-shape",
                                                  "tiny-gemma3", "gemma3-shape",
                                                  "tiny-glm4-moe", "glm4.5-moe-shape", "glm4.5-air-shape",
-                                                 "tiny-deepseek-v3", "deepseek-v3-shape"}
+                                                 "tiny-deepseek-v3", "deepseek-v3-shape",
+                                                 "tiny-moonlight", "moonlight-shape", "qwen2-moe-shape"} | \
+        set(VLLM_CPU_TWINS)  # the vLLM CPU tier's twins of issue 37's families: test_vllm_cpu_twins below
     assert list(ZOO) == list_models() == sorted(list_models())
-    for name in list_models():
+    for name in set(list_models()) - set(VLLM_CPU_TWINS):
         assert ZOO[name].tied == (name.removesuffix("-hd32").endswith("-tied") or name in ALWAYS_TIED)
 
 
-@pytest.mark.parametrize("name", [name for name in TINY if name != "tiny-deepseek-v3"])  # MLA: its own test
+@pytest.mark.parametrize("name", list(VLLM_CPU_TWINS))
+def test_vllm_cpu_twins_are_their_tiny_model_with_heads_vllm_runs(name):
+    """Each twin differs from its tiny model in the listed keys only (and what DeepSeek-V3's config derives
+    from qk_rope_head_dim), has heads vLLM's CPU kernels take, and keeps its weight adjustment and tying."""
+    base, changes = VLLM_CPU_TWINS[name]
+    twin, tiny = load_hf_config(name).to_dict(), load_hf_config(base).to_dict()
+    different = {key for key in twin.keys() | tiny.keys() if twin.get(key) != tiny.get(key)}
+    assert different - {"head_dim", "qk_head_dim"} == set(changes) - {"head_dim"}
+    assert all(twin[key] == value for key, value in changes.items())
+    config = load_hf_config(name)
+    heads = config.kv_lora_rank + config.qk_rope_head_dim if base in MLA else config.head_dim
+    assert heads == (576 if base in MLA else 32)
+    assert (ZOO[name].adjust_weights, ZOO[name].tied) == (ZOO[base].adjust_weights, ZOO[base].tied)
+
+
+# MLA and the vLLM twins: their own tests
+@pytest.mark.parametrize("name", [name for name in TINY if name not in MLA and name not in VLLM_CPU_TWINS])
 def test_tiny_shape_exercises_padding_and_layouts(name):
     config = load_hf_config(name)
     assert config.vocab_size % 2 and config.vocab_size % 4, "vocab must force Megatron padding"
@@ -461,3 +480,46 @@ def test_deepseek_v3_shape_is_the_real_architecture():
             config.n_shared_experts, config.routed_scaling_factor, config.first_k_dense_replace) == (256, 8, 8, 4, 1, 2.5, 3)
     assert 2 <= config.num_hidden_layers <= 4 and config.num_hidden_layers > config.first_k_dense_replace
     assert config.rope_parameters["factor"] == 40 and config.rope_parameters["original_max_position_embeddings"] == 4096
+
+
+def test_moonlight_family_features():
+    """Moonlight: DeepSeek-V3's architecture without q LoRA (one q_proj, no q_a_layernorm), plain RoPE and no
+    expert groups, routed_scaling_factor 2.446; the rest as tiny-deepseek-v3 (MLA's kv LoRA, a dense first layer,
+    16 experts with a random expert bias, 2 shared experts)."""
+    config = load_hf_config("tiny-moonlight")
+    assert config.model_type == "deepseek_v3" and config.q_lora_rank is None and config.kv_lora_rank == 32
+    assert config.rope_parameters["rope_type"] == "default"
+    assert (config.n_group, config.topk_group, config.routed_scaling_factor, config.n_shared_experts) == (1, 1, 2.446, 2)
+    state = _state("tiny-moonlight")
+    assert state["model.layers.2.self_attn.q_proj.weight"].shape == (4 * (16 + 8), 64)
+    assert not any("q_a_proj" in name or "q_a_layernorm" in name or "q_b_proj" in name for name in state)
+    assert state["model.layers.1.mlp.gate.e_score_correction_bias"].std() > 0.01
+
+
+@pytest.mark.parametrize("name, dims, moe", [
+    # moonshotai/Moonlight-16B-A3B's config.json: hidden, heads, q LoRA rank, kv LoRA rank, nope, rope and v head
+    # dims, intermediate, vocab; (experts, top-k, width, groups, shared, routed scale, dense first layers)
+    ("moonlight-shape", (2048, 16, None, 512, 128, 64, 128, 11264, 163840), (64, 6, 1408, 1, 2, 2.446, 1)),
+])
+def test_moonlight_shape_is_the_real_architecture(name, dims, moe):
+    config = load_hf_config(name)  # config only: ~2.4B parameters, built on GPUs
+    assert config.model_type == "deepseek_v3" and config.num_hidden_layers == 4 and not config.tie_word_embeddings
+    assert (config.hidden_size, config.num_attention_heads, config.q_lora_rank, config.kv_lora_rank,
+            config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim, config.intermediate_size,
+            config.vocab_size) == dims
+    assert (config.n_routed_experts, config.num_experts_per_tok, config.moe_intermediate_size, config.n_group,
+            config.n_shared_experts, config.routed_scaling_factor, config.first_k_dense_replace) == moe
+    assert config.rope_parameters == {"rope_type": "default", "rope_theta": 50000.0} and config.norm_topk_prob
+
+
+def test_qwen2_moe_shape_is_qwen1_5_moe_a2_7b():
+    """Qwen/Qwen1.5-MoE-A2.7B's config.json at 4 layers: 60 experts of 1408, top-4 not renormalised, a gated
+    shared expert of 5632, QKV bias, no GQA (config only: ~2.9B parameters, built on GPUs)."""
+    config = load_hf_config("qwen2-moe-shape")
+    assert config.model_type == "qwen2_moe" and config.num_hidden_layers == 4 and not config.tie_word_embeddings
+    assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.intermediate_size,
+            config.vocab_size) == (2048, 16, 16, 5632, 151936)
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+            config.shared_expert_intermediate_size, config.norm_topk_prob) == (60, 4, 1408, 5632, False)
+    assert config.qkv_bias and config.decoder_sparse_step == 1 and not config.mlp_only_layers
+    assert config.rope_parameters["rope_theta"] == 1_000_000

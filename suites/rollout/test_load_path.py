@@ -207,11 +207,12 @@ def test_the_server_dispatches_each_load_and_holds_a_fused_group_as_a_copy(serve
     names = [f"{prefix}{p}_proj.weight" for p in "qkv"] + ["model.norm.weight"]
     for load_path in LOAD_PATHS:
         server = _fake_server(server_module, device="cpu")
-        server.load_path, server.names, server.pending, server.stale_kv = load_path, names, {}, False
+        server.load_path, server.pending, server.stale_kv = load_path, {}, False
+        server.index_groups({**{name: f"{prefix}qkv_proj" for name in names[:3]}, names[3]: "model.norm"})
         shared = torch.zeros(4)  # a shared buffer's view: reused once the call returns
         assert server.load([(names[0], shared[:2]), (names[3], shared[2:])]) == 1
         shared.fill_(7)
-        held = server.pending[f"{prefix}qkv_proj.weight"][names[0]]
+        held = server.pending[f"{prefix}qkv_proj"][names[0]]
         assert server.pending_names() == [names[0]] and torch.equal(held, torch.zeros(2))  # as it was sent
         assert server.load([(names[1], torch.ones(2)), (names[2], torch.ones(2))]) == 3
         loads = [call for call in server.calls if call[0] in ("apply_model", "reload_weights")]
