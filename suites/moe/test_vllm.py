@@ -53,6 +53,18 @@ def _against_hf(engine, hf) -> float:
     return (rollouts.logprobs - _hf_logprobs(hf.model, rollouts, SAMPLING.temperature)).abs().max().item()
 
 
+def workaround_off_rows(report, metric: str, bare: float, model: str, workaround: str) -> float:
+    """A vLLM workaround's guard: the engine's distance to HF with the workaround off (observed) and its
+    separation from the bound (a control, >= SENSITIVITY_MARGIN while the bug is there). Returns the separation."""
+    separation = bare / BOUND
+    report.add(metric, bare, tolerance=BOUND, passed=bare <= BOUND, claim="observed", layout="none", model=model,
+               dtype="fp32", engine="vllm", workaround="off")
+    report.add("separation", separation, tolerance=SENSITIVITY_MARGIN, passed=separation >= SENSITIVITY_MARGIN,
+               claim="control", layout="none", model=model, dtype="fp32", engine="vllm", tolerance_kind="min",
+               workaround=workaround, worst_metric=metric)
+    return separation
+
+
 def _bounded(report, metric: str, value: float, **extra) -> None:
     report.add(metric, value, tolerance=BOUND, passed=value <= BOUND, claim="bounded", layout="none", model=MODEL,
                dtype="fp32", engine="vllm", **extra)
@@ -85,12 +97,7 @@ def test_the_cpu_moe_reload_workaround_is_still_needed(engine, report):
         bare = _against_hf(engine, hf)
     finally:
         engine.set_workaround(CPU_MOE_RELOAD_REPACK.name, True)
-    separation = bare / BOUND
-    report.add("vllm_vs_hf_max_abs_after_reload", bare, tolerance=BOUND, passed=bare <= BOUND, claim="observed",
-               layout="none", model=MODEL, dtype="fp32", engine="vllm", workaround="off")
-    report.add("separation", separation, tolerance=SENSITIVITY_MARGIN, passed=separation >= SENSITIVITY_MARGIN,
-               claim="control", layout="none", model=MODEL, dtype="fp32", engine="vllm", tolerance_kind="min",
-               workaround=CPU_MOE_RELOAD_REPACK.name, worst_metric="vllm_vs_hf_max_abs_after_reload")
+    separation = workaround_off_rows(report, "vllm_vs_hf_max_abs_after_reload", bare, MODEL, CPU_MOE_RELOAD_REPACK.name)
     assert patched <= BOUND
     assert separation >= SENSITIVITY_MARGIN, (
         f"vLLM {engine.versions['vllm']}: without {CPU_MOE_RELOAD_REPACK.name} a reload is {bare:.3g} off HF, "

@@ -29,6 +29,7 @@ from harness.rollout.check import prompts, sync_check
 from harness.rollout.tolerances import sync_tolerance
 from harness.rollout.vllm_engine import VLLMEngine, vllm_python
 from harness.tolerance import SENSITIVITY_MARGIN
+from suites.moe.test_vllm import workaround_off_rows
 from suites.rollout.test_vllm import _hf_logprobs, _record
 
 # family -> its twin (the CI cases start no Megatron world: they run on either stack)
@@ -110,12 +111,8 @@ def test_the_gpt_oss_reload_workaround_is_still_needed(rollout, report):
     finally:
         engine.set_workaround(GPT_OSS_RELOAD_DIRECT_COPIES.name, True)
     stale = sorted(name for name, t in update if not torch.equal(after[name], t))
-    separation = bare / BOUND
-    report.add("vllm_vs_hf_max_abs_after_update", bare, tolerance=BOUND, passed=bare <= BOUND, claim="observed",
-               layout="none", model=model, dtype="fp32", engine="vllm", workaround="off")
-    report.add("separation", separation, tolerance=SENSITIVITY_MARGIN, passed=separation >= SENSITIVITY_MARGIN,
-               claim="control", layout="none", model=model, dtype="fp32", engine="vllm", tolerance_kind="min",
-               workaround=GPT_OSS_RELOAD_DIRECT_COPIES.name, worst_metric="vllm_vs_hf_max_abs_after_update")
+    separation = workaround_off_rows(report, "vllm_vs_hf_max_abs_after_update", bare, model,
+                                     GPT_OSS_RELOAD_DIRECT_COPIES.name)
     assert stale and all(name.endswith((".sinks", "_proj", "_proj_bias")) for name in stale), stale
     assert separation >= SENSITIVITY_MARGIN, (
         f"vLLM {engine.versions['vllm']}: without {GPT_OSS_RELOAD_DIRECT_COPIES.name} an update is {bare:.3g} off "
