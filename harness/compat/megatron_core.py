@@ -682,7 +682,6 @@ def sum_mla_rope_key_grad(model: torch.nn.Module, config) -> int:
     return len(layers)
 
 
-
 # megatron-core 0.19.2's MLA without q LoRA (q_lora_rank None: Moonlight, DeepSeek-V2-Lite; found here, issue 37):
 # its QK-norm resolver (`mla_qk_norm_config.QKNormConfigResolver`, new since 0.16.1, upstream Megatron-LM #4452),
 # with qk_layernorm on (both bridges set it for kv_a_layernorm), builds `linear_q_proj` from the backend's fused

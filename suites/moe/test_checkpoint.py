@@ -214,14 +214,19 @@ def test_gpt_oss_resume_at_another_expert_layout(policy, device, source, target,
     _resume_elsewhere(policy, source, target, tmp_path, report, model="tiny-gpt-oss")
 
 
+# DeepSeek-V3's and Moonlight's routed experts (layers 1-3, after the dense first one) and their Adam moments,
+# per layer: what the re-save must hold as the source did.
+MLA_PER_LAYER_EXPERTS = [f"{p}decoder.layers.{layer}.mlp.experts." for layer in (1, 2, 3)
+                         for p in ("", "optimizer.state.exp_avg.")]
+
+
 @pytest.mark.nightly
 @pytest.mark.layout_pairs(cpu=[("dp2ep2", "pp2"), ("pp2", "dp2ep2"), ("dp2ep2", "tp2-sp")])
 def test_deepseek_v3_resume_at_another_expert_layout(policy, device, source, target, tmp_path, report):
     """DeepSeek-V3 (both stacks): MLA (column-parallel under TP), the dense first layer, the router's
     expert bias (a buffer) and the shared experts reshard with the routed experts."""
     skip_unless_converted("tiny-deepseek-v3")
-    per_layer = [f"{p}decoder.layers.{layer}.mlp.experts." for layer in (1, 2, 3) for p in ("", "optimizer.state.exp_avg.")]
-    _resume_elsewhere(policy, source, target, tmp_path, report, model="tiny-deepseek-v3", experts=per_layer)
+    _resume_elsewhere(policy, source, target, tmp_path, report, model="tiny-deepseek-v3", experts=MLA_PER_LAYER_EXPERTS)
 
 
 @pytest.mark.nightly
@@ -230,5 +235,4 @@ def test_moonlight_resume_at_another_expert_layout(policy, device, source, targe
     """Moonlight (both stacks): MLA's one q_proj (whole per rank at dp2ep2, split by heads at tp2-sp) reshards
     with the rest of DeepSeek-V3's model: the re-save equals the source, the next step holds the bounds."""
     skip_unless_converted("tiny-moonlight")
-    per_layer = [f"{p}decoder.layers.{layer}.mlp.experts." for layer in (1, 2, 3) for p in ("", "optimizer.state.exp_avg.")]
-    _resume_elsewhere(policy, source, target, tmp_path, report, model="tiny-moonlight", experts=per_layer)
+    _resume_elsewhere(policy, source, target, tmp_path, report, model="tiny-moonlight", experts=MLA_PER_LAYER_EXPERTS)

@@ -65,8 +65,8 @@ def workaround_off_rows(report, metric: str, bare: float, model: str, workaround
     return separation
 
 
-def _bounded(report, metric: str, value: float, **extra) -> None:
-    report.add(metric, value, tolerance=BOUND, passed=value <= BOUND, claim="bounded", layout="none", model=MODEL,
+def bounded(report, metric: str, value: float, model: str = MODEL, **extra) -> None:
+    report.add(metric, value, tolerance=BOUND, passed=value <= BOUND, claim="bounded", layout="none", model=model,
                dtype="fp32", engine="vllm", **extra)
 
 
@@ -79,7 +79,7 @@ def test_vllm_runs_the_moe_model_as_hf_does(engine, report):
     # the model's workaround; CPU_NO_AMX is the machine's (a CPU with AMX)
     assert [w for w in engine.workarounds if w != CPU_NO_AMX.name] == [CPU_MOE_RELOAD_REPACK.name]
     diff = _against_hf(engine, hf)
-    _bounded(report, "vllm_vs_hf_max_abs", diff)
+    bounded(report, "vllm_vs_hf_max_abs", diff)
     assert diff <= BOUND
 
 
@@ -90,7 +90,7 @@ def test_the_cpu_moe_reload_workaround_is_still_needed(engine, report):
     own = list(hf.weights().items())
     engine.update_weights(own)
     patched = _against_hf(engine, hf)
-    _bounded(report, "vllm_vs_hf_max_abs_after_reload", patched, workaround=CPU_MOE_RELOAD_REPACK.name)
+    bounded(report, "vllm_vs_hf_max_abs_after_reload", patched, workaround=CPU_MOE_RELOAD_REPACK.name)
     engine.set_workaround(CPU_MOE_RELOAD_REPACK.name, False)
     try:
         engine.update_weights(own)

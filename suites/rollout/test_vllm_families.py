@@ -24,31 +24,18 @@ import torch
 
 from harness.compat.vllm import GPT_OSS_RELOAD_DIRECT_COPIES
 from harness.pytest_plugin.worlds import skip_unless_converted
-from harness.rollout import HFEngine, Sampling
-from harness.rollout.check import prompts, sync_check
-from harness.rollout.tolerances import sync_tolerance
-from harness.rollout.vllm_engine import VLLMEngine, vllm_python
+from harness.rollout import HFEngine
+from harness.rollout.check import sync_check
+from harness.rollout.vllm_engine import VLLMEngine
 from harness.tolerance import SENSITIVITY_MARGIN
-from suites.moe.test_vllm import workaround_off_rows
-from suites.rollout.test_vllm import _hf_logprobs, _record
+# the MoE vLLM suite's sampling, bound and checks (needs_vllm: a fixture)
+from suites.moe.test_vllm import BOUND, SAMPLING, _against_hf, bounded, needs_vllm, workaround_off_rows  # noqa: F401
+from suites.rollout.test_vllm import _record
 
 # family -> its twin (the CI cases start no Megatron world: they run on either stack)
 FAMILIES = {"qwen2-moe": "tiny-qwen2-moe-hd32", "glm4-moe": "tiny-glm4-moe-hd32", "gpt-oss": "tiny-gpt-oss-hd32",
             "gemma3": "tiny-gemma3-hd32", "deepseek-v3": "tiny-deepseek-v3-mla576"}
-SAMPLING = Sampling(n=3, max_tokens=6, temperature=0.8, seed=7)
-BOUND = sync_tolerance("max_abs", "fp32").limit
 BUCKET_TENSORS = 7  # a bucket this small cuts q/k/v, a layer's experts, MLA's a-proj pair
-
-
-@pytest.fixture
-def needs_vllm():
-    vllm_python()  # part of `make setup`: without it these fail naming `make vllm`
-
-
-def _against_hf(engine, hf) -> float:
-    """max |vLLM logprob - HF logprob| over the engine's own samples."""
-    rollouts = engine.generate(prompts(hf.vocab_size), SAMPLING)
-    return (rollouts.logprobs - _hf_logprobs(hf.model, rollouts, SAMPLING.temperature)).abs().max().item()
 
 
 def _perturbed(weights: dict[str, torch.Tensor], seed: int = 1) -> list[tuple[str, torch.Tensor]]:
@@ -66,11 +53,6 @@ def _update_in_small_buckets(engine, update) -> None:
     assert engine.pending == [], "a fused module was left waiting for members that were sent"
 
 
-def _bounded(report, metric: str, value: float, model: str, **extra) -> None:
-    report.add(metric, value, tolerance=BOUND, passed=value <= BOUND, claim="bounded", layout="none", model=model,
-               dtype="fp32", engine="vllm", **extra)
-
-
 @pytest.mark.usefixtures("needs_vllm")
 @pytest.mark.parametrize("model", list(FAMILIES.values()), ids=list(FAMILIES))
 def test_vllm_runs_the_family_as_hf_does(rollout, model, report):
@@ -80,14 +62,14 @@ def test_vllm_runs_the_family_as_hf_does(rollout, model, report):
     assert set(weights) == set(expected)
     assert all(torch.equal(weights[n], t) for n, t in expected.items())  # bit for bit, as loaded
     at_start = _against_hf(engine, hf)
-    _bounded(report, "vllm_vs_hf_max_abs", at_start, model)
+    bounded(report, "vllm_vs_hf_max_abs", at_start, model)
     update = _perturbed(expected)
     _update_in_small_buckets(engine, update)
     hf.update_weights(update)
     after = engine.weights()
     stale = [name for name, t in update if not torch.equal(after[name], t)]
     updated = _against_hf(engine, hf)
-    _bounded(report, "vllm_vs_hf_max_abs_after_update", updated, model, bucket_tensors=BUCKET_TENSORS)
+    bounded(report, "vllm_vs_hf_max_abs_after_update", updated, model, bucket_tensors=BUCKET_TENSORS)
     assert at_start <= BOUND
     assert stale == [], f"{len(stale)} tensors not updated: {stale[:4]}"
     assert updated <= BOUND
