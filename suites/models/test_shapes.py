@@ -128,8 +128,9 @@ TRAIN = ["qwen3-8b-shape", "qwen3-30b-a3b-shape", "gpt-oss-shape", "gemma3-shape
 # clip range for 90% of the tokens (docs/families.md). The weights then move 2e-6, under the weight bound: the
 # comparison's guard is the second step's loss (suites/training/test_policy.py).
 SHAPE_LR = 1e-6
-# A checkpoint of the 8B shape holds 8 GB of fp32 weights and 16 GB of Adam state.
-RESUME = ["qwen3-8b-shape"]
+# A checkpoint of the 8B shape holds 8 GB of fp32 weights and 16 GB of Adam state; moonlight-shape's (~2.4 B
+# parameters: MLA without q LoRA, 64 experts a sparse layer, a checkpoint of ~29 GB) is the one MoE shape's.
+RESUME = ["qwen3-8b-shape", "moonlight-shape"]
 
 
 @pytest.mark.layouts(cuda=["tp1"])
