@@ -127,11 +127,14 @@ behaviour it replaces and why:
    (CUDA kernels and streams: the CPU tier has neither; the forward is the same arithmetic). The
    bridge sets `mtp_num_layers` to the config's `num_nextn_predict_layers` even when that is 0, and
    GPTModel then takes the MTP path for any value but None (AttributeError on the labels of a forward
-   without them): None (preflight refuses a checkpoint with MTP layers). On the local spec its
+   without them): None (preflight refuses a checkpoint with MTP layers). Its
    `attention_backend=AttnBackend.fused` (TE's) becomes `auto`, what every other model of the harness
-   builds with: megatron-core's GPTModel writes the NVTE_* variables of its backend into the process
-   environment and asserts those a model built before wrote (found when a world built DeepSeek-V3 after
-   another model: "NVTE_FLASH_ATTN set to 1, but expected 0 for attention backend type fused").
+   and Megatron-Bridge's DeepSeek-V3 build with: megatron-core's GPTModel writes the NVTE_* variables of
+   its backend into the process environment and asserts those a model built before wrote (found when a
+   world built DeepSeek-V3 after another model: "NVTE_FLASH_ATTN set to 1, but expected 0 for attention
+   backend type fused"; on the TE spec too, 1x H200 2026-12-03, moonlight-shape after qwen2-moe-shape),
+   and TE's fused attention has no fp32 kernel: fused, an fp32 model has no backend at all ("No dot
+   product attention backend is available", moonlight-shape's fp32 training on TE, same run).
 17. MLA on the local spec (megatron-core 0.16.1, found here): every MLASelfAttention of the local block
    spec gets the version-gated `harness.compat.megatron_core.mla_dot_product_attention()` as its core
    attention (`MLA_LOCAL_CORE_ATTENTION`: the local DotProductAttention takes no k/v head widths and
@@ -262,11 +265,11 @@ class HarnessBridgeMixin:
             self.set_extra_args(**GLM4_MOE_SETTINGS)
         if hf_config.model_type == "deepseek_v3":  # override 16
             self.set_extra_args(**deepseek_v3_settings(hf_config))
-            if spec == "local":  # mbridge's AttnBackend.fused is TE's; megatron-core then asserts the NVTE_*
-                # variables its other models' `auto` set in the same process (a world builds many models)
-                from megatron.core.transformer.enums import AttnBackend
+            # mbridge's AttnBackend.fused: megatron-core asserts the NVTE_* variables its other models' `auto`
+            # set in the same process (a world builds many models), and on TE fp32 has no fused backend
+            from megatron.core.transformer.enums import AttnBackend
 
-                self.set_extra_args(attention_backend=AttnBackend.auto)
+            self.set_extra_args(attention_backend=AttnBackend.auto)
 
     def _get_safetensor_io(self, weights_path: str):
         if self.hf_config.model_type != "deepseek_v3":

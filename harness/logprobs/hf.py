@@ -22,14 +22,15 @@ def shifted_token_outputs(logits: torch.Tensor, input_ids: torch.Tensor,
     predecessor at t-1 (`RLBatch.logprob_mask()`). Returns float32 logprobs (0 where not valid)
     and int64 top-1 ids (-1 where not valid).
 
-    log_softmax runs in float32 whatever the logits' dtype (bf16 logits are upcast first), one row
-    at a time so at most one row of float32 logits exists at once.
+    log_softmax runs in float32 whatever the logits' dtype (bf16 logits are upcast first; float64 ones
+    stay float64), one row at a time so at most one row of float32 logits exists at once.
     """
     batch, seq = input_ids.shape
-    logprobs = torch.zeros((batch, seq), dtype=torch.float32, device=logits.device)
+    wide = torch.promote_types(logits.dtype, torch.float32)  # float64 logits (a float64 reference) stay float64
+    logprobs = torch.zeros((batch, seq), dtype=wide, device=logits.device)
     top1 = torch.full((batch, seq), -1, dtype=torch.int64, device=logits.device)
     for row in range(batch):
-        scores = logits[row, :-1].float()
+        scores = logits[row, :-1].to(wide)
         targets = input_ids[row, 1:].to(logits.device)
         lse = torch.logsumexp(scores, dim=-1)
         logprobs[row, 1:] = scores.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
@@ -65,6 +66,31 @@ def hf_token_outputs(model: nn.Module, batch: RLBatch, *,
         logprobs.append(lp.to(batch.input_ids.device))
         top1.append(ids.to(batch.input_ids.device))
     return torch.cat(logprobs), torch.cat(top1)
+
+
+def hf_unpadded_token_outputs(model: nn.Module, batch: RLBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """As hf_token_outputs, one row at a time on its real tokens only (no attention mask), in the model's
+    dtype. For the float64 reference: HF's float64 mask is -inf, so a padded position's fully masked query
+    row is NaN, which the next layer's attention multiplies by its 0 probability into every row (tiny-qwen3
+    in float64: 2112 NaN hidden values after layer 1, none in float32)."""
+    batch.validate(getattr(getattr(model, "config", None), "vocab_size", None))
+    device = _model_device(model)
+    logprobs = torch.zeros(batch.input_ids.shape, dtype=torch.float64)
+    top1 = torch.full(batch.input_ids.shape, -1, dtype=torch.int64)
+    valid = batch.logprob_mask()
+    for row in range(batch.batch_size):
+        real = batch.attention_mask[row].nonzero().flatten()
+        if len(real) == 0:
+            continue
+        first, last = int(real[0]), int(real[-1]) + 1
+        if len(real) != last - first:
+            raise ValueError(f"row {row}: its real tokens are not contiguous")
+        ids = batch.input_ids[row:row + 1, first:last].to(device)
+        logits = model(input_ids=ids, position_ids=torch.arange(last - first, device=device)[None],
+                       use_cache=False).logits
+        lp, ids_top = shifted_token_outputs(logits, ids, valid[row:row + 1, first:last])
+        logprobs[row, first:last], top1[row, first:last] = lp[0].double().cpu(), ids_top[0].cpu()
+    return logprobs.to(batch.input_ids.device), top1.to(batch.input_ids.device)
 
 
 def _num_parts(batch_size: int, micro_batch_size: int) -> int:

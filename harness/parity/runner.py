@@ -60,6 +60,8 @@ class ParityCase:
     # None: where the bf16 arithmetic is in the approximate regime
     dispatcher: str | None = None  # a MoE model's token dispatcher (harness.bridge.load.DISPATCHERS); None: the bridge's
     cp_comm_type: str | None = None  # context parallelism's exchange (CP_COMM_TYPES); None: megatron-core's (p2p)
+    fp64_reference: bool = False  # also HF in float64 on the same weights: every fp32 comparison again against it,
+    # where only Megatron's fp32 rounding is left (fp64_checks; HF's own fp32 rounding recorded beside it)
 
 
 REFERENCES = ("arranged", "plain")
@@ -91,7 +93,8 @@ class ParityResult:
         return separation(self.checks)
 
     def summary(self) -> str:
-        parts = [f"{'fp32-eval ' if e != self.case.dtype else ''}{m}={v:.3g} ({'ok' if ok else 'FAIL'} vs {t.limit:g})"
+        label = {self.case.dtype: "", "fp32-vs-fp64": "vs-fp64 "}
+        parts = [f"{label.get(e, 'fp32-eval ')}{m}={v:.3g} ({'ok' if ok else 'FAIL'} vs {t.limit:g})"
                  for (m, v, t, ok), e in zip(self.checks, self.evaluated_in)]
         what = f"{self.case.model} {self.layout} {self.case.dtype} {self.device} {self.spec} ({self.regime})"
         if self.case.packing != "right":
@@ -102,6 +105,9 @@ class ParityResult:
         if "noise_ratio" in self.metrics:  # bf16_noise: each engine's bf16 against fp32 on the same weights
             noise = (f"; bf16 vs fp32 mean |d|: megatron {self.metrics['noise_megatron_mean_abs']:.3g}, "
                      f"hf {self.metrics['noise_hf_mean_abs']:.3g} (ratio {self.metrics['noise_ratio']:.3g})")
+        if "fp64_noise_ratio" in self.metrics:  # the fp32 comparisons' float64 reference
+            noise += (f"; fp32 vs HF fp64 mean |d|: megatron {self.metrics['fp64_noise_megatron_mean_abs']:.3g}, "
+                      f"hf {self.metrics['fp64_noise_hf_mean_abs']:.3g} (ratio {self.metrics['fp64_noise_ratio']:.3g})")
         return f"{what}: " + ", ".join(parts) + noise
 
 
@@ -128,7 +134,7 @@ def _hf_reference(path: str, dtype: torch.dtype, batch: RLBatch, arranged_tp: in
     fp32 evaluation of a bf16 model)."""
     from harness.launch import context
     from harness.logprobs.arithmetic import arrange_like_megatron
-    from harness.logprobs.hf import hf_token_outputs
+    from harness.logprobs.hf import hf_token_outputs, hf_unpadded_token_outputs
     from harness.models import build_hf_model
 
     model = build_hf_model(path, dtype=dtype)
@@ -139,7 +145,10 @@ def _hf_reference(path: str, dtype: torch.dtype, batch: RLBatch, arranged_tp: in
         arrange_like_megatron(model, tp=arranged_tp, expert_tp=expert_tp)
     device_batch = batch.to(context().device)
     with torch.no_grad():
-        logprobs, top1 = hf_token_outputs(model, device_batch, micro_batch_size=rows_per_forward)
+        if compute == torch.float64:  # its padded rows would be NaN (hf_unpadded_token_outputs)
+            logprobs, top1 = hf_unpadded_token_outputs(model, device_batch)
+        else:
+            logprobs, top1 = hf_token_outputs(model, device_batch, micro_batch_size=rows_per_forward)
     del model
     return logprobs.cpu(), top1.cpu()
 
@@ -147,7 +156,7 @@ def _hf_reference(path: str, dtype: torch.dtype, batch: RLBatch, arranged_tp: in
 def _rank_parity(layout: Layout, path: str, dtype: torch.dtype, batch: RLBatch, micro_batches: int,
                  variant: str | None, packing: str, norm_precision: str, want_hf: bool,
                  arranged: tuple[int, int] | None, fp32_eval: bool, dispatcher: str | None = None,
-                 cp_comm_type: str | None = None):
+                 cp_comm_type: str | None = None, fp64: bool = False):
     import torch.distributed as dist
 
     from harness.bridge import load_megatron_model
@@ -183,10 +192,12 @@ def _rank_parity(layout: Layout, path: str, dtype: torch.dtype, batch: RLBatch, 
     hf = _hf_reference(path, dtype, batch, *(arranged or (None, None, None))) if want_hf else None
     hf_fp32 = (_hf_reference(path, dtype, batch, *(arranged or (None, None, None)), compute=torch.float32)
                if want_hf and fp32_eval else None)
+    hf_fp64 = (_hf_reference(path, dtype, batch, *(arranged or (None, None, None)), compute=torch.float64)
+               if want_hf and fp64 else None)
     gc.collect()
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
-    return result, hf, evaluated, hf_fp32
+    return result, hf, evaluated, hf_fp32, hf_fp64
 
 
 def fp32_layout(layout: Layout) -> Layout:
@@ -302,22 +313,27 @@ def run_parity(world, case: ParityCase, *, device: str | None = None, batch: RLB
     fp32_eval = case.fp32_eval if case.fp32_eval is not None else (case.dtype == "bf16" and arithmetic != "exact")
     if fp32_eval and case.dtype != "bf16":
         raise ValueError("fp32_eval evaluates a bf16 model's state in fp32: the case must be bf16")
+    if case.fp64_reference and case.dtype == "bf16" and not fp32_eval:
+        raise ValueError("fp64_reference checks fp32 logprobs: a bf16 case needs its fp32 evaluation (fp32_eval)")
     if fp32_eval:  # at CP it runs with CP folded into DP (fp32_layout): its micro-batches must split too
         _micro_batches(case, fp32_layout(layout), batch.batch_size // fp32_layout(layout).dp)
     key = (str(path), case.dtype, device, _batch_key(batch), arranged)
-    cached = (hf_cache or {}).get(key), (hf_cache or {}).get(key + ("fp32",)) if fp32_eval else None
-    want_hf = cached[0] is None or (fp32_eval and cached[1] is None)
+    cached = [(hf_cache or {}).get(key), (hf_cache or {}).get(key + ("fp32",)) if fp32_eval else None,
+              (hf_cache or {}).get(key + ("fp64",)) if case.fp64_reference else None]
+    want_hf = (cached[0] is None or (fp32_eval and cached[1] is None)
+               or (case.fp64_reference and cached[2] is None))
     results = run_in_layout(
         world, layout, _rank_parity, str(path), DTYPES[case.dtype], batch, micro, case.variant,
         packing, norm_precision, want_hf, arranged, fp32_eval, case.dispatcher, case.cp_comm_type,
+        case.fp64_reference,
     )
     from harness.logprobs.megatron import assemble
 
-    references = [cached[0] or results[0][1], cached[1] or results[0][3]]
+    references = [cached[0] or results[0][1], cached[1] or results[0][3], cached[2] or results[0][4]]
     if hf_cache is not None:
-        hf_cache[key] = references[0]
-        if fp32_eval:
-            hf_cache[key + ("fp32",)] = references[1]
+        for suffix, reference in zip(((), ("fp32",), ("fp64",)), references):
+            if reference is not None:
+                hf_cache[key + suffix] = reference
     compared = [(case.dtype, arithmetic, assemble([r[0] for r in results]), references[0])]
     if fp32_eval:  # the bf16 model's state, evaluated in fp32: the fp32 bounds
         compared.append(("fp32", "exact", assemble([r[2] for r in results]), references[1]))
@@ -332,6 +348,16 @@ def run_parity(world, case: ParityCase, *, device: str | None = None, batch: RLB
         metrics.update(found if computed_in == case.dtype else {f"fp32_eval_{k}": v for k, v in found.items()})
     noise = bf16_noise(references[0], references[1], compared[0][2], batch.response_mask) if fp32_eval else {}
     metrics.update(noise)
+    if case.fp64_reference:  # the fp32 comparison (the case's, or the fp32 evaluation's) against HF's float64
+        _, _, megatron_fp32, hf_fp32 = compared[-1]
+        assert compared[-1][0] == "fp32", compared[-1][0]
+        fp64 = {f"fp64_{k}": v for k, v in bf16_noise(hf_fp32, references[2], megatron_fp32,
+                                                        batch.response_mask).items()}
+        made = fp64_checks(fp64, config.hidden_size)
+        checks += made
+        evaluated_in += ["fp32-vs-fp64"] * len(made)
+        metrics.update(fp64)  # Megatron's own rows are the checks': the rest recorded beside them
+        noise.update({k: v for k, v in fp64.items() if not k.startswith("fp64_noise_megatron_")})
     result = ParityResult(case, layout, device, arithmetic, norm_precision, metrics, checks, spec=spec,
                           evaluated_in=evaluated_in)
     result.rows = _rows(result, suite, test, str(case.model)) + _noise_rows(result, noise, suite, test, str(case.model))
@@ -355,11 +381,22 @@ def bf16_noise(hf: tuple[torch.Tensor, torch.Tensor], hf_fp32: tuple[torch.Tenso
     return out
 
 
+def fp64_checks(fp64: dict[str, float], hidden_size: int) -> list[CheckResult]:
+    """Megatron's fp32 logprobs against HF's float64 ones on the same weights ("fp64_noise_megatron_*"), held to
+    the fp32 bounds of the model's width: against a reference without rounding of its own, the bounds measured
+    between two fp32 engines (each rounding) are at least as strict. The check names lose the prefix."""
+    prefix = "fp64_noise_megatron_"
+    found = {k[len(prefix):]: v for k, v in fp64.items() if k.startswith(prefix)}
+    return check(found, "fp32", fp32_regime(hidden_size))
+
+
 def _noise_rows(result: ParityResult, noise: dict[str, float], suite: str, test: str, model: str) -> list[Row]:
-    extra = {**_extra(result), "evaluated_in": "bf16-vs-fp32"}
+    def extra(metric: str) -> dict:
+        return {**_extra(result), "evaluated_in": "fp32-vs-fp64" if metric.startswith("fp64_") else "bf16-vs-fp32"}
+
     return [Row(suite=suite, test=test, layout=result.layout.name, metric=metric, value=value, tolerance=None,
                 passed=True, claim="observed", model=model, dtype=result.case.dtype, device=result.device,
-                spec=result.spec, extra=extra) for metric, value in noise.items()]
+                spec=result.spec, extra=extra(metric)) for metric, value in noise.items()]
 
 
 def _dispatcher(case: ParityCase, config) -> str | None:

@@ -22,6 +22,7 @@ under another layout takes two.
 """
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -69,6 +70,20 @@ NOISY_HF_BF16 = {
         "logprobs of the same bf16 weights HF's bf16 is mean |d| 0.0707 off with top-1 0.80, Megatron's 0.042 "
         "with 0.916 (noise_ratio 0.59); the bf16-vs-HF gap (0.075, top-1 0.79) is HF's. The other MoE shapes: "
         "qwen3-30b-a3b-shape 0.027 vs 0.0195 (ratio 0.71)"),
+    ("moonlight-shape", "bf16"): (
+        "moonlight-shape's eager HF bf16 is the noisier side (stack B, TE, H200, 2026-12-03): against the fp32 "
+        "logprobs of the same bf16 weights HF's bf16 is mean |d| 0.0499 off, Megatron's 0.0408 (noise_ratio 0.82); "
+        "the bf16-vs-HF token_mult_prob_error 1.083 sat on the approximate-moe bound 1.08 (mean 0.0706, top-1 0.81)"),
+}
+# Where fp32's rounding at a real width passes the wide regime's bounds, which were measured between two fp32
+# engines (each rounding): model -> what was measured. Its fp32 rows against HF's fp32 are then recorded (claim
+# "observed", their bound beside them) and the gate is the same bounds against HF in float64 on the same weights
+# (ParityCase.fp64_reference), where only Megatron's fp32 rounding is left.
+FP32_AGAINST_FP64 = {
+    "moonlight-shape": (
+        "moonlight-shape's fp32 against HF's fp32 (stack B, TE, H200, 2026-12-03): mean |d| 5.40e-6 past the wide "
+        "regime's 5e-6 (max 1.81e-5 within 2e-5, kl_k3 2.3e-11, top-1 1.0); the bf16 state's fp32 evaluation 5.37e-6: "
+        "64 experts of top-6 scaled by routed_scaling_factor 2.446 over a 163840 vocab"),
 }
 
 
@@ -76,28 +91,30 @@ def _parity(world, layout, model, dtype, hf_cache, report):
     _on_its_spec(model, world.spec)
     if layout == "tp1" and model in TP1_GIB and world.run(_total_gib)[0] < TP1_GIB[model]:
         pytest.skip(f"{model} at tp1 needs a GPU of >= {TP1_GIB[model]} GiB (an 80 GB H100 ran out of memory)")
+    case = ParityCase(model, layout, dtype, fp64_reference=model in FP32_AGAINST_FP64)
     with skip_invalid_layout():
-        result = run_parity(world, ParityCase(model, layout, dtype), hf_cache=hf_cache, test=report.test)
+        result = run_parity(world, case, hf_cache=hf_cache, test=report.test)
     if dtype == "bf16" and result.regime != "exact":  # TE's kernels: the same state also held in fp32
         assert "fp32" in result.evaluated_in, result.summary()
+    observed = {"bf16"} if (model, dtype) in NOISY_HF_BF16 else set()
+    if model in FP32_AGAINST_FP64:
+        observed.add("fp32")
+    # the rows held to another gate for the record, their bound kept beside them
+    report.extend([dataclasses.replace(row, claim="observed", passed=True, tolerance=None,
+                                       extra={**row.extra, "bound": row.tolerance, "within_bound": row.passed})
+                   if row.extra.get("evaluated_in") in observed and row.tolerance is not None else row
+                   for row in result.rows])
+    gating = [ok for (*_, ok), within in zip(result.checks, result.evaluated_in) if within not in observed]
+    assert gating and all(gating), result.summary()
+    if model in FP32_AGAINST_FP64:
+        assert "fp32-vs-fp64" in result.evaluated_in, result.summary()
     if (model, dtype) in NOISY_HF_BF16:
         _held_to_hf_noise(result, report)
-        return
-    report.extend(result.rows)
-    assert result.passed, result.summary()
 
 
 def _held_to_hf_noise(result, report) -> None:
-    """NOISY_HF_BF16's gate: the fp32 evaluation's bounds, and Megatron's bf16 no noisier than HF's."""
-    import dataclasses
-
+    """NOISY_HF_BF16's gate (beside the fp32 evaluation's bounds): Megatron's bf16 no noisier than HF's."""
     assert "noise_ratio" in result.metrics, result.summary()
-    # the bf16-vs-HF rows for the record, their bound kept beside them
-    report.extend([dataclasses.replace(row, claim="observed", passed=True, tolerance=None,
-                                       extra={**row.extra, "bound": row.tolerance, "within_bound": row.passed})
-                   if row.extra.get("evaluated_in") == "bf16" else row for row in result.rows])
-    fp32 = [check for check, within in zip(result.checks, result.evaluated_in) if within == "fp32"]
-    assert fp32 and all(ok for *_, ok in fp32), result.summary()
     ratio = result.metrics["noise_ratio"]
     report.add("noise_ratio", ratio, tolerance=1.0, passed=ratio <= 1.0, claim="bounded", layout=result.layout.name,
                model=result.case.model, dtype=result.case.dtype, tolerance_kind="max",
