@@ -361,8 +361,9 @@ def _ignore_group_routing(models) -> None:
 
 @torch.no_grad()
 def _swap_rope_nope(models) -> None:
-    """q_b_proj's per-head rows read as [rope, nope] instead of HF's [nope, rope] (state): each head's
-    query rotates what should pass and passes what should rotate. Each TP rank holds whole heads."""
+    """q_b_proj's per-head rows (q_proj's without q LoRA: Moonlight) read as [rope, nope] instead of HF's
+    [nope, rope] (state): each head's query rotates what should pass and passes what should rotate. Each TP
+    rank holds whole heads."""
     from harness.bridge import hf_config, unwrap_model
 
     config = hf_config(models)
@@ -371,7 +372,8 @@ def _swap_rope_nope(models) -> None:
     nope, rope = config.qk_nope_head_dim, config.qk_rope_head_dim
     for chunk in unwrap_model(list(models)):
         for layer in chunk.decoder.layers:
-            weight = layer.self_attention.linear_q_up_proj.weight
+            attention = layer.self_attention
+            weight = (attention.linear_q_up_proj if config.q_lora_rank else attention.linear_q_proj).weight
             heads = weight.view(-1, nope + rope, weight.shape[-1])
             heads.copy_(torch.cat([heads[:, nope:], heads[:, :nope]], dim=1))
 

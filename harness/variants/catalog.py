@@ -913,8 +913,8 @@ _DEEPSEEK_V3 = (
                      "NVIDIA/Megatron-LM #1441 (top-2 per group hard-coded)",
             **_DSV3),
     Variant("mla-rope-nope-swapped", "bridge", "negative-control",
-            "MLA's query heads split in the wrong order: q_b_proj's per-head rows read as [rope, nope] instead "
-            "of [nope, rope] (a converter's layout error)",
+            "MLA's query heads split in the wrong order: q_b_proj's per-head rows (q_proj's without q LoRA, "
+            "Moonlight's) read as [rope, nope] instead of [nope, rope] (a converter's layout error)",
             "each head rotates the features that should pass and passes those that should rotate; every "
             "token's attention off; the model runs",
             "logprob parity vs HF: every metric", upstream="none found", **_DSV3),

@@ -385,6 +385,23 @@ def test_moonlight_logprobs_match_hf(world, device, layout, dtype, hf_cache, rep
     _parity(world, layout, MOONLIGHT, "alltoall", hf_cache, report, dtype=dtype)
 
 
+@pytest.mark.layouts(cpu=["tp2-sp"], cuda=["tp1"])
+@pytest.mark.parametrize("dtype", ["fp32", pytest.param("bf16", marks=pytest.mark.nightly)])
+def test_moonlight_query_split_in_the_wrong_order_is_caught(world, device, layout, dtype, hf_cache, report):
+    """The catalog's mla-rope-nope-swapped (run by suites/sensitivity on tiny-deepseek-v3's q LoRA up projection)
+    on Moonlight's one query projection: caught by the margin, the fixed path being
+    test_moonlight_logprobs_match_hf at the same layout."""
+    from harness.tolerance import SENSITIVITY_MARGIN
+
+    skip_unless_converted(MOONLIGHT)
+    result = run_parity(world, ParityCase(MOONLIGHT, layout, dtype, variant="mla-rope-nope-swapped"),
+                        hf_cache=hf_cache, test=report.test)
+    report.add("separation", result.separation, tolerance=SENSITIVITY_MARGIN,
+               passed=result.separation >= SENSITIVITY_MARGIN, claim="control", layout=result.layout.name,
+               model=MOONLIGHT, dtype=dtype, variant="mla-rope-nope-swapped", tolerance_kind="min")
+    assert result.separation >= SENSITIVITY_MARGIN, result.summary()
+
+
 @pytest.mark.nightly
 @pytest.mark.layouts(cpu=[name for name in MOONLIGHT_LAYOUTS if name != "tp2-sp"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
