@@ -60,6 +60,10 @@ def load_megatron_model(
         weight_path=None, fp16=dtype is torch.float16, bf16=dtype is torch.bfloat16,
         wrap_with_ddp=wrap_with_ddp, ddp_config=dict(ddp_config) if ddp_config else None)
     chunks = unwrap_model(models)
+    if bridge.hf_config.model_type == "deepseek_v3":  # HF's MLA latent norms ignore rms_norm_eps (the module says)
+        from harness.bridge.mla_norms import match_hf_mla_norms
+
+        match_hf_mla_norms(chunks, bridge.hf_config)
     _check_every_hf_tensor_is_used(bridge, chunks, path)
     bridge.load_weights(chunks, str(path))
     info = BridgeInfo(

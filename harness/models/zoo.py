@@ -167,11 +167,12 @@ _DEEPSEEK_V3_SHAPE: dict[str, Any] = dict(
 # Moonlight (moonshotai/Moonlight-16B-A3B, model_type deepseek_v3: the DeepSeek-V3 architecture that verl's and
 # slime's RL examples train) differs from DeepSeek-V3 where a conversion can go wrong: no q LoRA (`q_lora_rank`
 # None: one q_proj where DeepSeek-V3 has q_a_proj, q_a_layernorm and q_b_proj), plain RoPE (base 50000, no YaRN),
-# no group-limited routing (n_group 1), 2 shared experts and routed_scaling_factor 2.446. `tiny-moonlight` is
-# tiny-deepseek-v3 with those differences (RoPE base 1e4 as the other tiny models: short sequences).
+# no group-limited routing (n_group 1), 2 shared experts, routed_scaling_factor 2.446 and rms_norm_eps 1e-5 (which
+# HF's MLA latent norms ignore: harness.bridge.mla_norms). `tiny-moonlight` is tiny-deepseek-v3 with those
+# differences (RoPE base 1e4 as the other tiny models: short sequences).
 _TINY_MOONLIGHT: dict[str, Any] = dict(
     _TINY_DEEPSEEK_V3, q_lora_rank=None, n_group=1, topk_group=1, routed_scaling_factor=2.446,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rms_norm_eps=1e-5,
 )
 # The published moonshotai/Moonlight-16B-A3B config.json (architecture only) at 4 of its 27 layers (the first
 # dense, as the checkpoint's first_k_dense_replace 1, then 3 with 64 experts of width 1408, top-6): ~2.4B

@@ -390,9 +390,22 @@ def _drop_yarn_mscale(models) -> None:
             attention.core_attention.softmax_scale = attention.q_head_dim ** -0.5  # read at every forward
 
 
+def _mla_norm_eps_from_config(models) -> None:
+    """MLA's latent norms with the config's rms_norm_eps, as stock megatron-core builds them (and vLLM), where HF's
+    take DeepseekV3RMSNorm's default (harness.bridge.mla_norms); read at every forward."""
+    from harness.bridge import hf_config, unwrap_model
+    from harness.bridge.mla_norms import hf_mla_norm_eps, match_hf_mla_norms
+
+    config = hf_config(models)
+    if config.model_type != "deepseek_v3":
+        raise VariantError("variant 'mla-norm-eps-from-config' needs a DeepSeek-V3 model")
+    match_hf_mla_norms(unwrap_model(list(models)), config, eps={k: config.rms_norm_eps for k in hf_mla_norm_eps(config)})
+
+
 DEEPSEEK_V3_VARIANTS = {"expert-bias-dropped": _drop_expert_bias, "routed-scaling-dropped": _drop_routed_scaling,
                         "group-limited-routing-ignored": _ignore_group_routing,
-                        "mla-rope-nope-swapped": _swap_rope_nope, "yarn-mscale-missing": _drop_yarn_mscale}
+                        "mla-rope-nope-swapped": _swap_rope_nope, "yarn-mscale-missing": _drop_yarn_mscale,
+                        "mla-norm-eps-from-config": _mla_norm_eps_from_config}
 
 
 # Variants that change how the model computes (code and configuration, not the state copy_state

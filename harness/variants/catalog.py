@@ -927,6 +927,18 @@ _DEEPSEEK_V3 = (
                      "NVIDIA/Megatron-LM #1429 (computed from mscale instead of mscale_all_dim); stock mbridge "
                      "0.15.1 builds no YaRN at all on transformers 5 (override 15)",
             **_DSV3),
+    Variant("mla-norm-eps-from-config", "bridge", "upstream-bug",
+            "MLA's latent norms (kv_a_layernorm, and q_a_layernorm with q LoRA) with the config's rms_norm_eps, where "
+            "HF's DeepseekV3Attention, as DeepSeek's remote code, builds them with DeepseekV3RMSNorm's default 1e-6: "
+            "the two differ for a checkpoint whose rms_norm_eps is not 1e-6 (Moonlight: 1e-5)",
+            "every token's kv latent scaled by ~(eps difference) / (2 mean square); the model runs",
+            "logprob parity vs HF: every metric (moonlight-shape: fp32 2.6-3.8x farther from HF's float64 than HF's "
+            "fp32)",
+            upstream="stock megatron-core MLA (config.layernorm_epsilon) with mbridge 0.15.1 and Megatron-Bridge "
+                     "0.6.2 (rms_norm_eps), as vLLM: huggingface/transformers#44261 (PRs 44317, 44346, 44585 "
+                     "closed unmerged), vllm-project/vllm#35515, pytorch/torchtitan#4395; found here on "
+                     "moonlight-shape (harness.bridge.mla_norms)",
+            **{**_DSV3, "model": "tiny-moonlight"}),
 )
 
 _ENTRIES = _ENTRIES + _DEEPSEEK_V3

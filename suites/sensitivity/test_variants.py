@@ -84,7 +84,7 @@ DTYPE_BLIND = ("rotation", "offload", "weight-sync")
 # Issue 37's families (one model each): a family's conversion traps show ~1e9 past their bound in both
 # dtypes (docs/variants.md); CI runs each in its first dtype, the other nightly (the CI budget), and the
 # family's own parity tests hold its bf16 path in CI.
-FAMILY_MODELS = ("tiny-deepseek-v3", "tiny-glm4-moe", "tiny-gemma3", "tiny-gpt-oss")
+FAMILY_MODELS = ("tiny-deepseek-v3", "tiny-moonlight", "tiny-glm4-moe", "tiny-gemma3", "tiny-gpt-oss")
 
 
 def _first_dtype_only(variant) -> bool:
