@@ -10,26 +10,15 @@ fp32 (1x H200, both stacks, 2026-12-03), 4.5x on the CPU tier, and 1.15x with `r
 `mla-norm-eps-from-config`). Upstream: huggingface/transformers#44261 (PRs 44317, 44346, 44585 closed unmerged),
 vllm-project/vllm#35515 (vLLM to follow the remote code; closed), pytorch/torchtitan#4395.
 
-The harness follows HF's module: the epsilon is read off an HF attention built on the meta device, so an HF that
-starts passing `rms_norm_eps` is followed too.
+The harness follows HF's module (`harness.compat.transformers.hf_mla_norm_eps`, which the vLLM engine follows too).
 """
 from __future__ import annotations
 
 import torch
 
+from harness.compat.transformers import hf_mla_norm_eps
+
 __all__ = ["hf_mla_norm_eps", "match_hf_mla_norms"]
-
-
-def hf_mla_norm_eps(hf_config) -> dict[str, float]:
-    """{"q": ..., "kv": ...}: the epsilons of HF's MLA latent norms for this config ("q" with q LoRA only)."""
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
-
-    with torch.device("meta"):
-        attention = DeepseekV3Attention(hf_config, layer_idx=0)
-    eps = {"kv": float(attention.kv_a_layernorm.variance_epsilon)}
-    if getattr(attention, "q_a_layernorm", None) is not None:  # some transformers versions leave it unset
-        eps["q"] = float(attention.q_a_layernorm.variance_epsilon)
-    return eps
 
 
 def _norms(attention, which: str) -> list[torch.nn.Module]:

@@ -45,6 +45,15 @@ gated on the vLLM versions it was verified on.
   the engine's process the same generates pass. So it reports none: the engine takes the kernels of the
   machines without AMX, where the CPU tier's vLLM evidence was made, as the pin does for torch.
 
+- `MLA_NORM_EPS_LIKE_HF` (found by this harness, vLLM PR 35515 closed): vLLM's DeepSeek-V2/V3 attention
+  (`DeepseekV2MLAAttention` in vllm/model_executor/models/deepseek_v2.py) builds `kv_a_layernorm` (and
+  `q_a_layernorm`) with the config's `rms_norm_eps`; HF's (and DeepSeek's remote code) take the RMSNorm default
+  1e-6 (harness.compat.transformers). For a checkpoint whose `rms_norm_eps` is not 1e-6 (Moonlight: 1e-5) the
+  engine's logprobs were 3.2e-5 off HF's, 3.2x the weight-sync bound (tiny-moonlight-mla576, fp32;
+  suites/rollout/test_vllm_families.py's guard test measures it each run). The workaround sets the norms to HF's
+  epsilons at every forward of the attention (so the guard can turn it off in a running engine). Needed only
+  where the two differ; on any device.
+
 The gate, as in harness.compat.megatron_core: `install` raises `UnverifiedVLLMError` on a vLLM
 version a workaround was not verified on, before anything changes (the engine does not start; a
 model that needs none of them starts on any version). Re-verify with suites/moe/test_vllm.py
@@ -91,10 +100,15 @@ GPT_OSS_RELOAD_DIRECT_COPIES = Workaround(
     "gpt-oss-reload-direct-copies", "gpt-oss's unquantized load_weights copies the experts and sinks straight into "
     "the parameters, past the weight loaders vLLM's layerwise reload_weights tracks: a reload keeps the old "
     "experts and sinks", ("0.32.0",), guard="suites/rollout/test_vllm_families.py")
-WORKAROUNDS = (CPU_MOE_RELOAD_REPACK, CPU_TIED_LM_HEAD_REPACK, CPU_NO_AMX, GPT_OSS_RELOAD_DIRECT_COPIES)
+MLA_NORM_EPS_LIKE_HF = Workaround(
+    "mla-norm-eps-like-hf", "DeepSeek-V2/V3's MLA latent norms built with config.rms_norm_eps where HF's take the "
+    "RMSNorm default 1e-6 (vLLM PR 35515, closed)", ("0.32.0",), guard="suites/rollout/test_vllm_families.py")
+WORKAROUNDS = (CPU_MOE_RELOAD_REPACK, CPU_TIED_LM_HEAD_REPACK, CPU_NO_AMX, GPT_OSS_RELOAD_DIRECT_COPIES,
+               MLA_NORM_EPS_LIKE_HF)
 
 # Which installed workarounds act: the guard test turns one off to show the bug is still there.
 _ENABLED: dict[str, bool] = {}
+_MLA_EPS: dict[str, float] = {}  # HF's MLA latent norm epsilons of the engine's model (one model a process)
 
 
 def version() -> str | None:
@@ -113,13 +127,24 @@ def require(workaround: Workaround) -> None:
 def needed(hf_config: dict[str, Any], device: str) -> list[Workaround]:
     """The workarounds a model (its config.json, as a dict) needs on `device`."""
     if device != "cpu":
-        return []
+        return [MLA_NORM_EPS_LIKE_HF] if _mla_norm_eps_differs(hf_config) else []
     experts = (hf_config.get("num_experts") or hf_config.get("num_local_experts")  # Qwen-MoE / Mixtral, gpt-oss
                or hf_config.get("n_routed_experts") or 0)  # GLM-4.5-MoE, DeepSeek-V3
     return ([CPU_MOE_RELOAD_REPACK] if experts > 0 else []) + \
         ([CPU_TIED_LM_HEAD_REPACK] if hf_config.get("tie_word_embeddings", False) else []) + \
         ([CPU_NO_AMX] if device == "cpu" and _amx_reported() else []) + \
-        ([GPT_OSS_RELOAD_DIRECT_COPIES] if hf_config.get("model_type") == "gpt_oss" else [])
+        ([GPT_OSS_RELOAD_DIRECT_COPIES] if hf_config.get("model_type") == "gpt_oss" else []) + \
+        ([MLA_NORM_EPS_LIKE_HF] if _mla_norm_eps_differs(hf_config) else [])
+
+
+def _mla_norm_eps_differs(hf_config: dict[str, Any]) -> bool:
+    """A DeepSeek-V3 config whose rms_norm_eps is not the epsilon of HF's MLA latent norms."""
+    if hf_config.get("model_type") != "deepseek_v3":
+        return False
+    from harness.compat.transformers import hf_mla_norm_eps
+
+    _MLA_EPS.update(hf_mla_norm_eps(hf_config))
+    return any(eps != hf_config.get("rms_norm_eps", 1e-6) for eps in _MLA_EPS.values())
 
 
 def _amx_reported() -> bool:
@@ -236,7 +261,28 @@ def _patch_gpt_oss_reload_direct_copies() -> None:
     GptOssModel._load_weights_other = _load_weights_other
 
 
+def _patch_mla_norm_eps_like_hf() -> None:
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV2Attention, DeepseekV2MLAAttention
+
+    for cls in (DeepseekV2MLAAttention, DeepseekV2Attention):
+        original = cls.forward
+
+        def forward(self, *args, _original=original, **kwargs):
+            on = _ENABLED.get(MLA_NORM_EPS_LIKE_HF.name)
+            for key, name in (("kv", "kv_a_layernorm"), ("q", "q_a_layernorm")):
+                norm = getattr(self, name, None)
+                if norm is not None and key in _MLA_EPS:
+                    if not hasattr(norm, "harness_config_eps"):
+                        norm.harness_config_eps = norm.variance_epsilon  # what vLLM built it with
+                    norm.variance_epsilon = _MLA_EPS[key] if on else norm.harness_config_eps
+            return _original(self, *args, **kwargs)
+
+        forward.__wrapped__ = original
+        cls.forward = forward
+
+
 _PATCHES = {CPU_MOE_RELOAD_REPACK.name: _patch_cpu_moe_reload_repack,
             CPU_TIED_LM_HEAD_REPACK.name: _patch_cpu_tied_lm_head_repack,
             CPU_NO_AMX.name: _patch_cpu_no_amx,
-            GPT_OSS_RELOAD_DIRECT_COPIES.name: _patch_gpt_oss_reload_direct_copies}
+            GPT_OSS_RELOAD_DIRECT_COPIES.name: _patch_gpt_oss_reload_direct_copies,
+            MLA_NORM_EPS_LIKE_HF.name: _patch_mla_norm_eps_like_hf}

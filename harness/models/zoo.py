@@ -21,7 +21,7 @@ split over etp 1/2/4. `tiny-qwen3-moe-hd32` is `tiny-qwen3-moe` with head_dim 32
 `tiny-qwen2-moe` (Qwen2-MoE: QKV bias, 4 experts of width 32, top-2 of a softmax over every expert,
 not renormalised, plus a shared expert of width 128 scaled by a sigmoid gate): stack A only
 (Megatron-Bridge 0.6.2 has no Qwen2-MoE bridge). VLLM_CPU_TWINS: the twins of tiny-qwen2-moe, tiny-glm4-moe,
-tiny-gpt-oss, tiny-gemma3 (`-hd32`) and tiny-deepseek-v3 (`-mla576`) that vLLM's CPU kernels run.
+tiny-gpt-oss, tiny-gemma3 (`-hd32`), tiny-deepseek-v3 and tiny-moonlight (`-mla576`) that vLLM's CPU kernels run.
 `tiny-gemma3` (Gemma 3 text, `gemma3_text`: zero-centered norms, embedding scale, sliding-window and
 global layers, query_pre_attn_scalar, QK-norm, pre/post-feedforward norms, local/global RoPE bases,
 GeGLU-tanh, tied) and `gemma3-shape` (gemma-3-1b's text dims, 4 layers, random weights; config only in
@@ -590,8 +590,12 @@ def _build_zoo() -> dict[str, ZooModel]:
 # DeepSeek-V3's MLA runs on vLLM's CPU MLA kernel, whose only latent head is 576 (kv_lora_rank 512 + rope 64,
 # DeepSeek-V3's own); vLLM also reads the router from config keys transformers 5 does not write, which HF and
 # the bridges ignore: topk_method "noaux_tc" (the expert bias: without it vLLM 0.32.0's load stops on a KeyError
-# for e_score_correction_bias) and scoring_func "sigmoid" (its default is softmax). Each twin keeps its family's
-# stacks and weight adjustment.
+# for e_score_correction_bias) and scoring_func "sigmoid" (its default is softmax). tiny-moonlight's twin takes
+# tiny-deepseek-v3's YaRN RoPE: vLLM 0.32.0 on CPU runs DeepSeek's MLA with plain RoPE (Moonlight's) 2.1-3.9 off HF's
+# logprobs (tiny-moonlight and tiny-deepseek-v3 twins with rope_type default, 2026-12-03; an open finding, GPU not
+# checked), with YaRN within 1e-5; and rms_norm_eps 1e-4: with Moonlight's 1e-5 the latent norm's epsilon
+# (harness.compat.vllm `mla-norm-eps-like-hf`) moved vLLM's logprobs 2.1x the weight-sync bound, under the
+# sensitivity margin. Each twin keeps its family's stacks and weight adjustment.
 VLLM_CPU_TWINS: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny-qwen2-moe-hd32": ("tiny-qwen2-moe", {"head_dim": 32, "hidden_size": 128}),
     "tiny-glm4-moe-hd32": ("tiny-glm4-moe", {"head_dim": 32}),
@@ -599,6 +603,10 @@ VLLM_CPU_TWINS: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny-gemma3-hd32": ("tiny-gemma3", {"head_dim": 32}),
     "tiny-deepseek-v3-mla576": ("tiny-deepseek-v3", {"kv_lora_rank": 512, "qk_rope_head_dim": 64,
                                                      "topk_method": "noaux_tc", "scoring_func": "sigmoid"}),
+    "tiny-moonlight-mla576": ("tiny-moonlight", {"kv_lora_rank": 512, "qk_rope_head_dim": 64,
+                                                 "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+                                                 "rope_parameters": _TINY_DEEPSEEK_V3["rope_parameters"],
+                                                 "rms_norm_eps": 1e-4}),
 }
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.compat.vllm import GPT_OSS_RELOAD_DIRECT_COPIES
+from harness.compat.vllm import GPT_OSS_RELOAD_DIRECT_COPIES, MLA_NORM_EPS_LIKE_HF
 from harness.pytest_plugin.worlds import skip_unless_converted
 from harness.rollout import HFEngine
 from harness.rollout.check import sync_check
@@ -34,7 +34,7 @@ from suites.rollout.test_vllm import _record
 
 # family -> its twin (the CI cases start no Megatron world: they run on either stack)
 FAMILIES = {"qwen2-moe": "tiny-qwen2-moe-hd32", "glm4-moe": "tiny-glm4-moe-hd32", "gpt-oss": "tiny-gpt-oss-hd32",
-            "gemma3": "tiny-gemma3-hd32", "deepseek-v3": "tiny-deepseek-v3-mla576"}
+            "gemma3": "tiny-gemma3-hd32", "deepseek-v3": "tiny-deepseek-v3-mla576", "moonlight": "tiny-moonlight-mla576"}
 BUCKET_TENSORS = 7  # a bucket this small cuts q/k/v, a layer's experts, MLA's a-proj pair
 
 
@@ -175,3 +175,25 @@ def test_a_synced_vllm_engine_equals_the_trained_moe_family_policy(policy, devic
 def test_a_synced_vllm_engine_equals_the_trained_gemma3_policy(policy, device, layout, report):
     """Gemma 3 (the tied embedding across stages, its zero-centered norms and post-norms, both RoPE bases)."""
     _synced(policy, device, layout, FAMILIES["gemma3"], report)
+
+
+@pytest.mark.usefixtures("needs_vllm")
+def test_the_mla_norm_eps_workaround_is_still_needed(rollout, report):
+    """Moonlight's rms_norm_eps (1e-5) is not the epsilon of HF's MLA latent norms (1e-6): without the workaround
+    (the same engine) vLLM's kv_a_layernorm takes the config's and its logprobs are off HF's by >= the sensitivity
+    margin in units of the bound; back on, within it. It fails once vLLM builds the norms as HF does."""
+    model = FAMILIES["moonlight"]
+    engine, hf = rollout(model, engine="vllm"), HFEngine(model)
+    assert MLA_NORM_EPS_LIKE_HF.name in engine.workarounds
+    engine.set_workaround(MLA_NORM_EPS_LIKE_HF.name, False)
+    try:
+        bare = _against_hf(engine, hf)
+    finally:
+        engine.set_workaround(MLA_NORM_EPS_LIKE_HF.name, True)
+    fixed = _against_hf(engine, hf)
+    separation = workaround_off_rows(report, "vllm_vs_hf_max_abs", bare, model, MLA_NORM_EPS_LIKE_HF.name)
+    bounded(report, "vllm_vs_hf_max_abs", fixed, model, workaround="on")
+    assert separation >= SENSITIVITY_MARGIN, (
+        f"vLLM {engine.versions['vllm']}: without {MLA_NORM_EPS_LIKE_HF.name} the engine is {bare:.3g} off HF "
+        f"({separation:.3g}x the bound): the workaround may no longer be needed")
+    assert fixed <= BOUND
