@@ -124,6 +124,13 @@ def test_the_family_workarounds_are_chosen_by_config_and_gated(monkeypatch):
     assert compat.needed({"model_type": "gpt_oss", "num_local_experts": 4}, "cpu") == \
         [compat.CPU_MOE_RELOAD_REPACK, GPT_OSS_RELOAD_DIRECT_COPIES]
     assert compat.needed({"model_type": "gpt_oss", "num_local_experts": 4}, "cuda") == []
+    # a DeepSeek-V3 config whose rms_norm_eps is not HF's MLA latent norm epsilon, on any device; DeepSeek-V3's own not
+    from harness.models import load_hf_config
+
+    moonlight, deepseek = (load_hf_config(name).to_dict() for name in ("tiny-moonlight", "tiny-deepseek-v3"))
+    assert compat.MLA_NORM_EPS_LIKE_HF in compat.needed(moonlight, "cpu")
+    assert compat.needed(moonlight, "cuda") == [compat.MLA_NORM_EPS_LIKE_HF]
+    assert compat.needed(deepseek, "cuda") == []
     monkeypatch.setattr(compat, "version", lambda: "0.33.0")
     with pytest.raises(compat.UnverifiedVLLMError, match="verified on vLLM 0.32.0, this is 0.33.0"):
         compat.install({"model_type": "gpt_oss", "num_local_experts": 4}, "cpu")
@@ -162,10 +169,11 @@ def _synced(policy, device, layout, model, report):
 @pytest.mark.nightly
 @pytest.mark.usefixtures("needs_vllm")
 @pytest.mark.layouts(cpu=["tp2ep2etp1-sp"])
-@pytest.mark.parametrize("family", ["qwen2-moe", "glm4-moe", "gpt-oss", "deepseek-v3"])
+@pytest.mark.parametrize("family", ["qwen2-moe", "glm4-moe", "gpt-oss", "deepseek-v3", "moonlight"])
 def test_a_synced_vllm_engine_equals_the_trained_moe_family_policy(policy, device, layout, family, report):
     """Experts split over EP and TP, the shared experts (Qwen2-MoE's behind its gate), the routers' expert
-    bias, MLA's projections and gpt-oss's sinks and fused expert tensors, synced from the trained policy."""
+    bias, MLA's projections (Moonlight's plain query, its latent norm at HF's epsilon on both sides) and gpt-oss's
+    sinks and fused expert tensors, synced from the trained policy."""
     _synced(policy, device, layout, FAMILIES[family], report)
 
 
