@@ -49,10 +49,19 @@ gated on the vLLM versions it was verified on.
   (`DeepseekV2MLAAttention` in vllm/model_executor/models/deepseek_v2.py) builds `kv_a_layernorm` (and
   `q_a_layernorm`) with the config's `rms_norm_eps`; HF's (and DeepSeek's remote code) take the RMSNorm default
   1e-6 (harness.compat.transformers). For a checkpoint whose `rms_norm_eps` is not 1e-6 (Moonlight: 1e-5) the
-  engine's logprobs were 3.2e-5 off HF's, 3.2x the weight-sync bound (tiny-moonlight-mla576, fp32;
-  suites/rollout/test_vllm_families.py's guard test measures it each run). The workaround sets the norms to HF's
+  engine's logprobs were 2.1e-5 off HF's, 2.1x the weight-sync bound (tiny-moonlight-mla576 with Moonlight's
+  1e-5; the twin takes 1e-4, where the guard test in suites/rollout/test_vllm_families.py measures 2.3e-4). The workaround sets the norms to HF's
   epsilons at every forward of the attention (so the guard can turn it off in a running engine). Needed only
   where the two differ; on any device.
+
+- `CPU_ROPE_3D_QUERY` (found by this harness): on CPU, `RotaryEmbedding.forward_cpu`
+  (model_executor/layers/rotary_embedding/base.py: the in-place `ops.rotary_embedding`) rotates a 3-D query
+  [tokens, heads, dim] of more than one head wrongly (3.4 off `forward_native` for GPT-J pairs, 6.3 for NeoX),
+  and a 2-D [tokens, heads * dim] one right. DeepSeek's MLA hands it `q_pe` 3-D; with YaRN it takes
+  DeepseekScalingRotaryEmbedding, whose own forward is right, but with plain RoPE (Moonlight's `rope_type`
+  default) every query was rotated wrongly: the engine's logprobs 2.1-3.9 off HF's (tiny-moonlight-mla576,
+  fp32; suites/rollout/test_vllm_families.py's guard test measures it each run). The workaround hands the op
+  2-D views and reshapes back.
 
 The gate, as in harness.compat.megatron_core: `install` raises `UnverifiedVLLMError` on a vLLM
 version a workaround was not verified on, before anything changes (the engine does not start; a
@@ -103,8 +112,11 @@ GPT_OSS_RELOAD_DIRECT_COPIES = Workaround(
 MLA_NORM_EPS_LIKE_HF = Workaround(
     "mla-norm-eps-like-hf", "DeepSeek-V2/V3's MLA latent norms built with config.rms_norm_eps where HF's take the "
     "RMSNorm default 1e-6 (vLLM PR 35515, closed)", ("0.32.0",), guard="suites/rollout/test_vllm_families.py")
+CPU_ROPE_3D_QUERY = Workaround(
+    "cpu-rope-3d-query", "the CPU RotaryEmbedding op rotates a 3-D multi-head query wrongly (DeepSeek's MLA with "
+    "plain RoPE hands it one)", ("0.32.0",), guard="suites/rollout/test_vllm_families.py")
 WORKAROUNDS = (CPU_MOE_RELOAD_REPACK, CPU_TIED_LM_HEAD_REPACK, CPU_NO_AMX, GPT_OSS_RELOAD_DIRECT_COPIES,
-               MLA_NORM_EPS_LIKE_HF)
+               MLA_NORM_EPS_LIKE_HF, CPU_ROPE_3D_QUERY)
 
 # Which installed workarounds act: the guard test turns one off to show the bug is still there.
 _ENABLED: dict[str, bool] = {}
@@ -134,7 +146,14 @@ def needed(hf_config: dict[str, Any], device: str) -> list[Workaround]:
         ([CPU_TIED_LM_HEAD_REPACK] if hf_config.get("tie_word_embeddings", False) else []) + \
         ([CPU_NO_AMX] if device == "cpu" and _amx_reported() else []) + \
         ([GPT_OSS_RELOAD_DIRECT_COPIES] if hf_config.get("model_type") == "gpt_oss" else []) + \
-        ([MLA_NORM_EPS_LIKE_HF] if _mla_norm_eps_differs(hf_config) else [])
+        ([MLA_NORM_EPS_LIKE_HF] if _mla_norm_eps_differs(hf_config) else []) + \
+        ([CPU_ROPE_3D_QUERY] if hf_config.get("model_type") == "deepseek_v3" and _plain_rope(hf_config) else [])
+
+
+def _plain_rope(hf_config: dict[str, Any]) -> bool:
+    """RoPE without scaling (vLLM then builds its plain RotaryEmbedding)."""
+    rope = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
+    return rope.get("rope_type", rope.get("type", "default")) == "default"
 
 
 def _mla_norm_eps_differs(hf_config: dict[str, Any]) -> bool:
@@ -281,8 +300,25 @@ def _patch_mla_norm_eps_like_hf() -> None:
         cls.forward = forward
 
 
+def _patch_cpu_rope_3d_query() -> None:
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    original = RotaryEmbedding.forward_cpu
+
+    def forward_cpu(self, positions, query, key=None):
+        if not _ENABLED.get(CPU_ROPE_3D_QUERY.name) or query.dim() != 3:
+            return original(self, positions, query, key)
+        flat_key = None if key is None else key.reshape(key.shape[0], -1)
+        rotated, rotated_key = original(self, positions, query.reshape(query.shape[0], -1), flat_key)
+        return rotated.view(query.shape), None if key is None else rotated_key.view(key.shape)
+
+    forward_cpu.__wrapped__ = original
+    RotaryEmbedding.forward_cpu = forward_cpu
+
+
 _PATCHES = {CPU_MOE_RELOAD_REPACK.name: _patch_cpu_moe_reload_repack,
             CPU_TIED_LM_HEAD_REPACK.name: _patch_cpu_tied_lm_head_repack,
             CPU_NO_AMX.name: _patch_cpu_no_amx,
             GPT_OSS_RELOAD_DIRECT_COPIES.name: _patch_gpt_oss_reload_direct_copies,
-            MLA_NORM_EPS_LIKE_HF.name: _patch_mla_norm_eps_like_hf}
+            MLA_NORM_EPS_LIKE_HF.name: _patch_mla_norm_eps_like_hf,
+            CPU_ROPE_3D_QUERY.name: _patch_cpu_rope_3d_query}

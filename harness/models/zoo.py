@@ -590,10 +590,9 @@ def _build_zoo() -> dict[str, ZooModel]:
 # DeepSeek-V3's MLA runs on vLLM's CPU MLA kernel, whose only latent head is 576 (kv_lora_rank 512 + rope 64,
 # DeepSeek-V3's own); vLLM also reads the router from config keys transformers 5 does not write, which HF and
 # the bridges ignore: topk_method "noaux_tc" (the expert bias: without it vLLM 0.32.0's load stops on a KeyError
-# for e_score_correction_bias) and scoring_func "sigmoid" (its default is softmax). tiny-moonlight's twin takes
-# tiny-deepseek-v3's YaRN RoPE: vLLM 0.32.0 on CPU runs DeepSeek's MLA with plain RoPE (Moonlight's) 2.1-3.9 off HF's
-# logprobs (tiny-moonlight and tiny-deepseek-v3 twins with rope_type default, 2026-12-03; an open finding, GPU not
-# checked), with YaRN within 1e-5; and rms_norm_eps 1e-4: with Moonlight's 1e-5 the latent norm's epsilon
+# for e_score_correction_bias) and scoring_func "sigmoid" (its default is softmax). tiny-moonlight's twin keeps its
+# plain RoPE (vLLM's CPU rotary op needs harness.compat.vllm `cpu-rope-3d-query` for it) and takes
+# rms_norm_eps 1e-4: with Moonlight's 1e-5 the latent norm's epsilon
 # (harness.compat.vllm `mla-norm-eps-like-hf`) moved vLLM's logprobs 2.1x the weight-sync bound, under the
 # sensitivity margin. Each twin keeps its family's stacks and weight adjustment.
 VLLM_CPU_TWINS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -605,7 +604,6 @@ VLLM_CPU_TWINS: dict[str, tuple[str, dict[str, Any]]] = {
                                                      "topk_method": "noaux_tc", "scoring_func": "sigmoid"}),
     "tiny-moonlight-mla576": ("tiny-moonlight", {"kv_lora_rank": 512, "qk_rope_head_dim": 64,
                                                  "topk_method": "noaux_tc", "scoring_func": "sigmoid",
-                                                 "rope_parameters": _TINY_DEEPSEEK_V3["rope_parameters"],
                                                  "rms_norm_eps": 1e-4}),
 }
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.compat.vllm import GPT_OSS_RELOAD_DIRECT_COPIES, MLA_NORM_EPS_LIKE_HF
+from harness.compat.vllm import CPU_ROPE_3D_QUERY, GPT_OSS_RELOAD_DIRECT_COPIES, MLA_NORM_EPS_LIKE_HF
 from harness.pytest_plugin.worlds import skip_unless_converted
 from harness.rollout import HFEngine
 from harness.rollout.check import sync_check
@@ -130,6 +130,8 @@ def test_the_family_workarounds_are_chosen_by_config_and_gated(monkeypatch):
     moonlight, deepseek = (load_hf_config(name).to_dict() for name in ("tiny-moonlight", "tiny-deepseek-v3"))
     assert compat.MLA_NORM_EPS_LIKE_HF in compat.needed(moonlight, "cpu")
     assert compat.needed(moonlight, "cuda") == [compat.MLA_NORM_EPS_LIKE_HF]
+    assert compat.CPU_ROPE_3D_QUERY in compat.needed(moonlight, "cpu")  # plain RoPE; DeepSeek-V3's YaRN not
+    assert compat.CPU_ROPE_3D_QUERY not in compat.needed(deepseek, "cpu")
     assert compat.needed(deepseek, "cuda") == []
     monkeypatch.setattr(compat, "version", lambda: "0.33.0")
     with pytest.raises(compat.UnverifiedVLLMError, match="verified on vLLM 0.32.0, this is 0.33.0"):
@@ -186,22 +188,24 @@ def test_a_synced_vllm_engine_equals_the_trained_gemma3_policy(policy, device, l
 
 
 @pytest.mark.usefixtures("needs_vllm")
-def test_the_mla_norm_eps_workaround_is_still_needed(rollout, report):
-    """Moonlight's rms_norm_eps (1e-5) is not the epsilon of HF's MLA latent norms (1e-6): without the workaround
-    (the same engine) vLLM's kv_a_layernorm takes the config's and its logprobs are off HF's by >= the sensitivity
-    margin in units of the bound; back on, within it. It fails once vLLM builds the norms as HF does."""
+@pytest.mark.parametrize("workaround", [MLA_NORM_EPS_LIKE_HF, CPU_ROPE_3D_QUERY], ids=lambda w: w.name)
+def test_the_moonlight_workarounds_are_still_needed(rollout, workaround, report):
+    """Without the workaround (the same engine, the other on) the Moonlight twin's logprobs are off HF's by >= the
+    sensitivity margin in units of the bound; back on, within it. mla-norm-eps-like-hf: its rms_norm_eps is not
+    the epsilon of HF's MLA latent norms (1e-6), and vLLM's kv_a_layernorm takes the config's; cpu-rope-3d-query:
+    the CPU rotary op rotates MLA's 3-D query wrongly under plain RoPE. Each fails once vLLM no longer needs it."""
     model = FAMILIES["moonlight"]
     engine, hf = rollout(model, engine="vllm"), HFEngine(model)
-    assert MLA_NORM_EPS_LIKE_HF.name in engine.workarounds
-    engine.set_workaround(MLA_NORM_EPS_LIKE_HF.name, False)
+    assert {MLA_NORM_EPS_LIKE_HF.name, CPU_ROPE_3D_QUERY.name} <= set(engine.workarounds)
+    engine.set_workaround(workaround.name, False)
     try:
         bare = _against_hf(engine, hf)
     finally:
-        engine.set_workaround(MLA_NORM_EPS_LIKE_HF.name, True)
+        engine.set_workaround(workaround.name, True)
     fixed = _against_hf(engine, hf)
-    separation = workaround_off_rows(report, "vllm_vs_hf_max_abs", bare, model, MLA_NORM_EPS_LIKE_HF.name)
+    separation = workaround_off_rows(report, "vllm_vs_hf_max_abs", bare, model, workaround.name)
     bounded(report, "vllm_vs_hf_max_abs", fixed, model, workaround="on")
     assert separation >= SENSITIVITY_MARGIN, (
-        f"vLLM {engine.versions['vllm']}: without {MLA_NORM_EPS_LIKE_HF.name} the engine is {bare:.3g} off HF "
+        f"vLLM {engine.versions['vllm']}: without {workaround.name} the engine is {bare:.3g} off HF "
         f"({separation:.3g}x the bound): the workaround may no longer be needed")
     assert fixed <= BOUND
