@@ -18,7 +18,7 @@ import torch
 
 from harness.compat.transformers import hf_mla_norm_eps
 
-__all__ = ["hf_mla_norm_eps", "match_hf_mla_norms"]
+__all__ = ["match_hf_mla_norms"]
 
 
 def _norms(attention, which: str) -> list[torch.nn.Module]:

@@ -138,15 +138,15 @@ def require(workaround: Workaround) -> None:
 
 def needed(hf_config: dict[str, Any], device: str) -> list[Workaround]:
     """The workarounds a model (its config.json, as a dict) needs on `device`."""
+    anywhere = [MLA_NORM_EPS_LIKE_HF] if _hf_mla_norm_eps(hf_config) else []
     if device != "cpu":
-        return [MLA_NORM_EPS_LIKE_HF] if _mla_norm_eps_differs(hf_config) else []
+        return anywhere
     experts = (hf_config.get("num_experts") or hf_config.get("num_local_experts")  # Qwen-MoE / Mixtral, gpt-oss
                or hf_config.get("n_routed_experts") or 0)  # GLM-4.5-MoE, DeepSeek-V3
     return ([CPU_MOE_RELOAD_REPACK] if experts > 0 else []) + \
         ([CPU_TIED_LM_HEAD_REPACK] if hf_config.get("tie_word_embeddings", False) else []) + \
         ([CPU_NO_AMX] if device == "cpu" and _amx_reported() else []) + \
-        ([GPT_OSS_RELOAD_DIRECT_COPIES] if hf_config.get("model_type") == "gpt_oss" else []) + \
-        ([MLA_NORM_EPS_LIKE_HF] if _mla_norm_eps_differs(hf_config) else []) + \
+        ([GPT_OSS_RELOAD_DIRECT_COPIES] if hf_config.get("model_type") == "gpt_oss" else []) + anywhere + \
         ([CPU_ROPE_3D_QUERY] if hf_config.get("model_type") == "deepseek_v3" and _plain_rope(hf_config) else [])
 
 
@@ -156,14 +156,14 @@ def _plain_rope(hf_config: dict[str, Any]) -> bool:
     return rope.get("rope_type", rope.get("type", "default")) == "default"
 
 
-def _mla_norm_eps_differs(hf_config: dict[str, Any]) -> bool:
-    """A DeepSeek-V3 config whose rms_norm_eps is not the epsilon of HF's MLA latent norms."""
+def _hf_mla_norm_eps(hf_config: dict[str, Any]) -> dict[str, float]:
+    """HF's MLA latent norm epsilons where they differ from the config's rms_norm_eps (a DeepSeek-V3 config), else {}."""
     if hf_config.get("model_type") != "deepseek_v3":
-        return False
+        return {}
     from harness.compat.transformers import hf_mla_norm_eps
 
-    _MLA_EPS.update(hf_mla_norm_eps(hf_config))
-    return any(eps != hf_config.get("rms_norm_eps", 1e-6) for eps in _MLA_EPS.values())
+    eps = hf_mla_norm_eps(hf_config)
+    return eps if any(value != hf_config.get("rms_norm_eps", 1e-6) for value in eps.values()) else {}
 
 
 def _amx_reported() -> bool:
@@ -178,6 +178,8 @@ def install(hf_config: dict[str, Any], device: str) -> list[str]:
     chosen = needed(hf_config, device)
     for workaround in chosen:  # every gate first: nothing changes on an unverified version
         require(workaround)
+    if MLA_NORM_EPS_LIKE_HF in chosen:
+        _MLA_EPS.update(_hf_mla_norm_eps(hf_config))
     for workaround in chosen:
         if workaround.name not in _ENABLED:
             _PATCHES[workaround.name]()

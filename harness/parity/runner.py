@@ -61,7 +61,7 @@ class ParityCase:
     dispatcher: str | None = None  # a MoE model's token dispatcher (harness.bridge.load.DISPATCHERS); None: the bridge's
     cp_comm_type: str | None = None  # context parallelism's exchange (CP_COMM_TYPES); None: megatron-core's (p2p)
     fp64_reference: bool = False  # also HF in float64 on the same weights: every fp32 comparison again against it,
-    # where only Megatron's fp32 rounding is left (fp64_checks; HF's own fp32 rounding recorded beside it)
+    # where only Megatron's fp32 rounding is left (evaluated_in "fp32-vs-fp64"; HF's own fp32 rounding beside it)
 
 
 REFERENCES = ("arranged", "plain")
@@ -351,9 +351,14 @@ def run_parity(world, case: ParityCase, *, device: str | None = None, batch: RLB
     if case.fp64_reference:  # the fp32 comparison (the case's, or the fp32 evaluation's) against HF's float64
         _, _, megatron_fp32, hf_fp32 = compared[-1]
         assert compared[-1][0] == "fp32", compared[-1][0]
-        fp64 = {f"fp64_{k}": v for k, v in bf16_noise(hf_fp32, references[2], megatron_fp32,
-                                                        batch.response_mask).items()}
-        made = fp64_checks(fp64, config.hidden_size)
+        # bf16_noise's measure one precision up: each engine's fp32 against HF's float64. Megatron's distance is
+        # held to the fp32 bounds of the width: measured between two fp32 engines (each rounding), they are at
+        # least as strict against a reference without rounding of its own.
+        noise64 = bf16_noise(hf_fp32, references[2], megatron_fp32, batch.response_mask)
+        prefix = "noise_megatron_"
+        made = check({k[len(prefix):]: v for k, v in noise64.items() if k.startswith(prefix)}, "fp32",
+                     fp32_regime(config.hidden_size))
+        fp64 = {f"fp64_{k}": v for k, v in noise64.items()}
         checks += made
         evaluated_in += ["fp32-vs-fp64"] * len(made)
         metrics.update(fp64)  # Megatron's own rows are the checks': the rest recorded beside them
@@ -379,15 +384,6 @@ def bf16_noise(hf: tuple[torch.Tensor, torch.Tensor], hf_fp32: tuple[torch.Tenso
         out[f"noise_{name}_top1_agreement"] = top1_agreement(hf_fp32[1], top1, mask)
     out["noise_ratio"] = out["noise_megatron_mean_abs"] / max(out["noise_hf_mean_abs"], 1e-30)
     return out
-
-
-def fp64_checks(fp64: dict[str, float], hidden_size: int) -> list[CheckResult]:
-    """Megatron's fp32 logprobs against HF's float64 ones on the same weights ("fp64_noise_megatron_*"), held to
-    the fp32 bounds of the model's width: against a reference without rounding of its own, the bounds measured
-    between two fp32 engines (each rounding) are at least as strict. The check names lose the prefix."""
-    prefix = "fp64_noise_megatron_"
-    found = {k[len(prefix):]: v for k, v in fp64.items() if k.startswith(prefix)}
-    return check(found, "fp32", fp32_regime(hidden_size))
 
 
 def _noise_rows(result: ParityResult, noise: dict[str, float], suite: str, test: str, model: str) -> list[Row]:

@@ -394,7 +394,8 @@ def _mla_norm_eps_from_config(models) -> None:
     """MLA's latent norms with the config's rms_norm_eps, as stock megatron-core builds them (and vLLM), where HF's
     take DeepseekV3RMSNorm's default (harness.bridge.mla_norms); read at every forward."""
     from harness.bridge import hf_config, unwrap_model
-    from harness.bridge.mla_norms import hf_mla_norm_eps, match_hf_mla_norms
+    from harness.bridge.mla_norms import match_hf_mla_norms
+    from harness.compat.transformers import hf_mla_norm_eps
 
     config = hf_config(models)
     if config.model_type != "deepseek_v3":

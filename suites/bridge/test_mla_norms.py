@@ -8,7 +8,8 @@ import types
 import pytest
 import torch
 
-from harness.bridge.mla_norms import hf_mla_norm_eps, match_hf_mla_norms
+from harness.bridge.mla_norms import match_hf_mla_norms
+from harness.compat.transformers import hf_mla_norm_eps
 from harness.models import build_hf_model, load_hf_config
 
 
