@@ -23,7 +23,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, TextIO
 
 import psutil
@@ -50,6 +50,31 @@ class Call:
     deadline: float
     pending: set[int]
     sent: bool = False
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Interrupted:
+    """A call a KeyboardInterrupt abandoned (SIGINT: a batch's or CI's time limit, Ctrl-C), with what each
+    rank that had not answered was doing then. A run cut at its limit has no row for the test it was in, and
+    its log said only that the driver was waiting for replies (1x H100, 2026-12-06: a moonlight-shape resume
+    interrupted after 266 s with no clue which step it was in); the pytest plugin prints these at the end."""
+
+    what: str
+    launcher: str
+    size: int
+    waited_s: float
+    stacks: dict[int, str]
+
+    def describe(self, max_chars: int = 4000) -> str:
+        head = (f"interrupted in {self.what} after {self.waited_s:.0f} s, waiting on ranks {sorted(self.stacks)} "
+                f"of {self.size} ({self.launcher} world)")
+        return "\n".join([head] + [f"--- rank {rank} was in:\n" + (stack[-max_chars:] or "(no stack dumped)")
+                                   for rank, stack in sorted(self.stacks.items())])
+
+
+# Every call this process saw interrupted, oldest first (read by harness.pytest_plugin.reporting).
+INTERRUPTED: list[Interrupted] = []
 
 
 class WorldBase:
@@ -241,12 +266,30 @@ class WorldBase:
 
     def _collect(self, call: Call, timeout: float) -> list[Any]:
         what = call.what
-        results, errors, died, hung = self._gather(call)
+        try:
+            results, errors, died, hung = self._gather(call)
+        except KeyboardInterrupt:
+            self._record_interrupt(call)
+            raise
         if hung or died:
             self._fail_hard(what, timeout, hung, died, errors)
         if errors:
             self._raise_rank_error(errors, what)
         return [pickle.loads(results[r]) if results[r] is not None else None for r in range(self.size)]
+
+    def _record_interrupt(self, call: Call) -> None:
+        """What the ranks still busy in `call` were doing when it was interrupted (INTERRUPTED). The world
+        stays in doubt as before: the next call drains the replies or restarts the ranks."""
+        pending = sorted(call.pending)
+        try:
+            stacks = self._stacks(pending) if pending else {}
+        except Exception as exc:  # a rank gone mid-dump: say so rather than mask the interrupt
+            stacks = {}
+            note = f"(no stack: {type(exc).__name__}: {exc})"
+        else:
+            note = "(no stack dumped)"
+        INTERRUPTED.append(Interrupted(call.what, self.launcher, self.size, time.monotonic() - call.started,
+                                       {rank: stacks.get(rank) or note for rank in pending}))
 
     def _accept(self, rank: int, reply: tuple, call_id: Any, results: dict, errors: dict,
                 draining: bool = False) -> bool:

@@ -3,11 +3,13 @@ test's outcome, the rows recorded during each test), the `report` and `report_di
 pytest-xdist's workers writing beside the controller."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 import pytest
 
+from harness.launch.base import INTERRUPTED
 from harness.report import Row
 from harness.report import buffer as report_buffer
 from harness.report.session import RunReport, as_row, claim_run_dir
@@ -117,6 +119,8 @@ class _ReportHooks:
 
         # What every world computed with: its layer spec, TF32 policy, TE version... (launch.facts)
         self.run_report.meta["worlds"] = session_worlds(session.config)
+        if INTERRUPTED:
+            self.run_report.meta["interrupted_calls"] = [dataclasses.asdict(i) for i in INTERRUPTED]
         self.run_report.finish()
         if self._render_run is not None:
             self._render_run(self.run_report.directory)
@@ -125,6 +129,9 @@ class _ReportHooks:
         moved = config.stash.get(_MOVED_KEY, None)
         if moved is not None:
             terminalreporter.write_line(f"megatron-rl-harness: the previous run there was moved to {moved}")
+        for interrupted in INTERRUPTED:  # a run cut at its limit: where the ranks were
+            for line in f"megatron-rl-harness: {interrupted.describe()}".splitlines():
+                terminalreporter.write_line(line)
         if self.run_report.worker is None:
             rows = self.run_report.document()["rows"]
             expected = sum(not r["passed"] and r["outcome"] == "passed" for r in rows)

@@ -320,6 +320,15 @@ def test_session_end_leaves_no_orphans(pytester):
     assert len(pids) == 4 and _survivors(pids) == []
 
 
+@pytest.fixture(autouse=True)
+def _interrupts_stay_here(monkeypatch):
+    """The calls these tests interrupt on purpose are recorded in a list of their own, not the session's
+    (harness.launch.base.INTERRUPTED, printed at the session's end as what a time limit cut)."""
+    from harness.launch import base
+
+    monkeypatch.setattr(base, "INTERRUPTED", [])
+
+
 def _interrupt_the_wait(world, monkeypatch) -> None:
     """The next wait for replies raises KeyboardInterrupt, as a SIGINT would: after the call was
     sent, before any reply was read (once; later waits are the world's own)."""
@@ -357,6 +366,37 @@ def test_an_interrupted_call_is_drained_before_the_next_call(world, tmp_path, mo
     assert world.run(_rank_and_sum, 6) == [(0, 9.0), (1, 9.0)]
     assert world.pids == pids and world.starts == starts, "drained, not restarted"
     assert world.abandoned == abandoned + 1
+
+
+def test_an_interrupted_call_records_where_every_busy_rank_was(world, tmp_path, monkeypatch):
+    """A run cut at its time limit (SIGINT) says what each rank was doing: the interrupted call, with every
+    unanswered rank's Python stack, is recorded for the session's summary (1x H100, 2026-12-06: a resume
+    interrupted after 266 s left a log that said only that the driver was waiting). The world is then drained
+    as before."""
+    from harness.launch import base
+
+    marker, release = tmp_path / "in_call", tmp_path / "release"
+    poll = world._poll
+
+    def interrupted_mid_call(pending, timeout):
+        # interrupt once both ranks are inside the call (each marks it), so both stacks must show it
+        while not marker.exists() or len(marker.read_text().split()) < world.size:
+            time.sleep(0.02)
+        monkeypatch.setattr(world, "_poll", poll)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(world, "_poll", interrupted_mid_call)
+    with pytest.raises(KeyboardInterrupt):
+        world.run(_wait_for_release, str(marker), str(release))
+    assert len(base.INTERRUPTED) == 1
+    record = base.INTERRUPTED[0]
+    assert "_wait_for_release" in record.what and record.size == world.size
+    assert sorted(record.stacks) == list(range(world.size))
+    for rank, stack in record.stacks.items():
+        assert "_wait_for_release" in stack, f"rank {rank}'s stack does not show the call:\n{stack}"
+    assert "waiting on ranks [0, 1] of 2" in record.describe()
+    release.touch()
+    assert world.run(_rank_and_sum, 5) == [(0, 8.0), (1, 8.0)]  # drained, in step
 
 
 def test_an_interrupted_call_that_never_ends_restarts_the_world(restartable_world, tmp_path, monkeypatch):
