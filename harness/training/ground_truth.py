@@ -22,6 +22,11 @@ is written to be *expressible* by Megatron:
   1e-6, its bf16 spacing is 6e-5) the bf16 copy barely follows the fp32 weights, so the second
   step's forward of a plain fp32 ground truth sees an update that no bf16 run can see
   (qwen3-8b-shape on an H200: step-2 loss 0.39 apart, step 1 within 1.8e-3).
+- HF's own bf16 (`bf16_yardstick=True`, with weights="bf16"): each step also records the loss the model itself
+  in bf16 gives on the state the step starts from (`hf_bf16_loss`): how far the reference implementation's own
+  bf16 rounding moves the loss, the yardstick a bf16 training gap is read against where HF's bf16 is the noisy
+  side (suites/models/test_shapes.py, NOISY_HF_BF16). It changes nothing in the steps: the model goes to bf16
+  and back on values bf16 holds exactly, its floating buffers (RoPE's inverse frequencies) put back as they were.
 - Gradient accumulation: the loss of each micro-batch is normalised by the *global* batch's
   token / sequence counts (see `harness.training.loss`), so the summed micro-batch gradients are
   the gradient of the whole-batch loss, whatever the split.
@@ -118,14 +123,18 @@ class GroundTruthTrainer:
                  weight_decay: float = 0.0, clip_grad: float | None = 1.0,
                  warmup_steps: int = 0, decay_style: DecayStyle = "constant",
                  total_steps: int | None = None, min_lr: float = 0.0,
-                 batch_invariant: bool = True, weights: str = "fp32", **loss_kwargs: Any) -> None:
+                 batch_invariant: bool = True, weights: str = "fp32", bf16_yardstick: bool = False,
+                 **loss_kwargs: Any) -> None:
         for p in model.parameters():
             if p.requires_grad and p.dtype != torch.float32:
                 raise ValueError(f"the ground truth trains in fp32; got a {p.dtype} parameter")
         if weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {list(WEIGHTS)}, got {weights!r}")
+        if bf16_yardstick and weights != "bf16":
+            raise ValueError("bf16_yardstick needs weights='bf16': HF's bf16 runs on the weights rounded to bf16")
         self.model = model
         self.weights = WEIGHTS[weights]
+        self.bf16_yardstick = bf16_yardstick
         if self.weights is not None:
             round_weights(model.parameters(), self.weights)  # the main parameters start as the loaded bf16 weights
         self.clip_grad = clip_grad
@@ -206,6 +215,7 @@ class GroundTruthTrainer:
         """
         self.optimizer.zero_grad(set_to_none=True)
         with self._forward_weights():
+            yardstick = self._hf_bf16_loss(train_batch, micro_batches) if self.bf16_yardstick else {}
             loss, stats = self._micro_losses(train_batch, micro_batches, backward=True)
         lr = self.lr
         grad_norm = exact_grad_norm(self.params)
@@ -215,7 +225,21 @@ class GroundTruthTrainer:
         self.scheduler.step()
         self.steps_done += 1
         return {"loss": loss, "grad_norm": float(grad_norm), "lr": lr,
-                "micro_batches": stats, **_summed(stats)}
+                "micro_batches": stats, **_summed(stats), **yardstick}
+
+    @torch.no_grad()
+    def _hf_bf16_loss(self, train_batch: RLTrainBatch, micro_batches: int) -> dict[str, float]:
+        """{"hf_bf16_loss": the loss of the model itself in bf16} on the rounded weights in place (class
+        docstring, "HF's own bf16"), the model back in fp32 after, every value as it was."""
+        buffers = {name: b.detach().clone() for name, b in self.model.named_buffers() if b.is_floating_point()}
+        self.model.to(torch.bfloat16)
+        try:
+            loss, _ = self._micro_losses(train_batch, micro_batches, backward=False)
+        finally:
+            self.model.to(torch.float32)  # the parameters held bf16 values: exact both ways
+            for name, kept in buffers.items():
+                self.model.get_buffer(name).copy_(kept)
+        return {"hf_bf16_loss": loss}
 
 
 # The weights a ground truth runs its forward on (class docstring, "Weights"): its fp32 weights, or them

@@ -168,8 +168,13 @@ def test_shape_models_train_like_the_ground_truth(policy, device, layout, model,
     # (1e-6 against 6e-5 at a weight of 0.016), and the plain fp32 ground truth's second step saw it where no bf16
     # run can (H200, 2026-12-02: step-2 loss 0.39 apart on qwen3-8b-shape, 0.13 on qwen3-30b-a3b-shape, 0.08 on
     # gemma3-shape; step 1 within 1.8e-3).
+    # Where HF's own bf16 is the noisy side (NOISY_HF_BF16), the loss is held to the larger of the bf16 bound and
+    # how far HF's own bf16 forward of each step's state is from the ground truth (compare_to_ground_truth's
+    # loss_within_hf_bf16): gpt-oss-shape's first step, before any update, was 0.0167 off (session 49), and HF's
+    # own bf16 of that state is 0.0295 off (ci/probes/bf16_forward_loss.py on the CPU tier, 2026-12-06,
+    # reports/cpu/2026-12-06-bf16-forward-loss). The grad norm and the weights keep the table's bounds.
     _check(policy, layout, report, model=model, dtype=dtype, loss=UNCLIPPED if dtype == "bf16" else LOSS, lr=SHAPE_LR,
-           truth_weights=dtype)
+           truth_weights=dtype, loss_within_hf_bf16=(model, dtype) in NOISY_HF_BF16)
 
 
 @pytest.mark.layouts(cuda=["tp1"])

@@ -23,14 +23,15 @@ def _check(policy, layout, report, **kwargs):
 
 
 def _compare(policy, layout, report, micro_batches=2, variant=None, model=MODEL, dtype="fp32",
-             world_size=None, loss=LOSS, lr=OPTIM["lr"], truth_weights="fp32"):
+             world_size=None, loss=LOSS, lr=OPTIM["lr"], truth_weights="fp32", loss_within_hf_bf16=False):
     # The micro-batches the layout's schedule takes, so a layout the model cannot take (pp4vpp2 on 4 layers)
     # reaches the model's check and skips, rather than failing on the count first.
     config = policy_config(micro_batches=micro_batches, dtype=dtype, variant=variant, loss=loss, layout=layout, lr=lr)
     micro_batches = config["micro_batches"]
     with skip_invalid_layout():  # e.g. pp4vpp2 on a 4-layer model
         worker = policy(layout, model, world_size=world_size, **config)
-    result = compare_to_ground_truth(worker, model=model, truth_weights=truth_weights)
+    result = compare_to_ground_truth(worker, model=model, truth_weights=truth_weights,
+                                     loss_within_hf_bf16=loss_within_hf_bf16)
     report.extend(result.rows(model, micro_batches=micro_batches, **({} if loss is LOSS else {"loss": "unclipped"}),
                               **({} if truth_weights == "fp32" else {"truth_weights": truth_weights})))
     for got in result.steps:
