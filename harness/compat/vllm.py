@@ -52,7 +52,9 @@ gated on the vLLM versions it was verified on.
   engine's logprobs were 2.1e-5 off HF's, 2.1x the weight-sync bound (tiny-moonlight-mla576 with Moonlight's
   1e-5; the twin takes 1e-4, where the guard test in suites/rollout/test_vllm_families.py measures 2.3e-4). The workaround sets the norms to HF's
   epsilons at every forward of the attention (so the guard can turn it off in a running engine). Needed only
-  where the two differ; on any device.
+  where the two differ; on any device. vLLM 0.26.0 (the GPU machines') builds both norms the same way, in both
+  attention classes the workaround wraps (on CUDA the fp32 engine runs DeepseekV2Attention: vLLM's MLA kernels
+  take no fp32, harness.rollout.vllm_engine.STRICT_FP32_CUDA_MLA_ENV); its guard runs there on CUDA.
 
 - `CPU_ROPE_3D_QUERY` (found by this harness): on CPU, `RotaryEmbedding.forward_cpu`
   (model_executor/layers/rotary_embedding/base.py: the in-place `ops.rotary_embedding`) rotates a 3-D query
@@ -111,7 +113,7 @@ GPT_OSS_RELOAD_DIRECT_COPIES = Workaround(
     "experts and sinks", ("0.32.0",), guard="suites/rollout/test_vllm_families.py")
 MLA_NORM_EPS_LIKE_HF = Workaround(
     "mla-norm-eps-like-hf", "DeepSeek-V2/V3's MLA latent norms built with config.rms_norm_eps where HF's take the "
-    "RMSNorm default 1e-6 (vLLM PR 35515, closed)", ("0.32.0",), guard="suites/rollout/test_vllm_families.py")
+    "RMSNorm default 1e-6 (vLLM PR 35515, closed)", ("0.26.0", "0.32.0"), guard="suites/rollout/test_vllm_families.py")
 CPU_ROPE_3D_QUERY = Workaround(
     "cpu-rope-3d-query", "the CPU RotaryEmbedding op rotates a 3-D multi-head query wrongly (DeepSeek's MLA with "
     "plain RoPE hands it one)", ("0.32.0",), guard="suites/rollout/test_vllm_families.py")

@@ -74,16 +74,31 @@ VLLM_TWINS = {"tiny-qwen3": "tiny-qwen3-hd32", "tiny-qwen3-tied": "tiny-qwen3-ti
               "tiny-qwen3-moe": "tiny-qwen3-moe-hd32"}
 STRICT_FP32_CUDA = {"engine_args": {"attention_backend": "TRITON_ATTN"},
                     "env": {"TRITON_F32_DEFAULT": "ieee", "NVIDIA_TF32_OVERRIDE": "0"}}
+# fp32 of a multi-head latent attention model (DeepSeek-V2/V3, Moonlight) on CUDA: vLLM 0.26.0's CUDA MLA
+# backends take fp16/bf16 only (supported_dtypes of FLASHMLA, FLASH_ATTN_MLA, TRITON_MLA, CUTLASS_MLA and
+# FLASHINFER_MLA in v1/attention/backends/mla/). VLLM_MLA_DISABLE=1 (vllm/config/model.py `use_mla`) builds
+# DeepseekV2Attention instead: the same checkpoint tensors, the latent decompressed into per-head keys and values
+# by kv_b_proj at each forward and attended through TRITON_ATTN, fp32 like every other family.
+STRICT_FP32_CUDA_MLA_ENV = {"VLLM_MLA_DISABLE": "1"}
 
 
-def precision_settings(precision: str, dtype: torch.dtype, device: str) -> dict[str, dict]:
+def precision_settings(precision: str, dtype: torch.dtype, device: str, mla: bool = False) -> dict[str, dict]:
     """What `precision` adds to vLLM's arguments and environment: "strict" makes fp32 on CUDA IEEE
-    fp32 (STRICT_FP32_CUDA); "default" is vLLM as it comes (its fp32 attention in TF32: a control)."""
+    fp32 (STRICT_FP32_CUDA; an MLA model, `mla`, also without vLLM's MLA kernels: STRICT_FP32_CUDA_MLA_ENV);
+    "default" is vLLM as it comes (its fp32 attention in TF32: a control)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if precision == "strict" and dtype == torch.float32 and device == "cuda":
-        return {key: dict(value) for key, value in STRICT_FP32_CUDA.items()}
+        settings = {key: dict(value) for key, value in STRICT_FP32_CUDA.items()}
+        if mla:
+            settings["env"].update(STRICT_FP32_CUDA_MLA_ENV)
+        return settings
     return {"engine_args": {}, "env": {}}
+
+
+def is_mla(config: Any) -> bool:
+    """Multi-head latent attention (DeepSeek-V2/V3's kv_lora_rank)."""
+    return bool(getattr(config, "kv_lora_rank", None))
 
 
 # The exact tier (issue 35): vLLM's batch-invariant mode. VLLM_BATCH_INVARIANT=1 is read by vllm.envs; the
@@ -197,7 +212,7 @@ def check_model(config: Any, device: str) -> None:
 
 def check_cpu_kernels(config: Any) -> None:
     """vLLM's CPU attention kernels: MLA's latent head, every other attention's head_dim."""
-    if getattr(config, "kv_lora_rank", None):  # multi-head latent attention (DeepSeek-V2/V3)
+    if is_mla(config):
         latent = config.kv_lora_rank + config.qk_rope_head_dim
         if latent not in CPU_MLA_HEAD_SIZES:
             raise ValueError(f"vLLM on CPU cannot run {config.model_type}'s multi-head latent attention: its CPU MLA "
@@ -252,7 +267,7 @@ class VLLMEngine:
         self.pythonpath = vllm_pythonpath(pythonpath)
         self.transport = transport
         self.precision = precision
-        settings = precision_settings(precision, dtype, device)
+        settings = precision_settings(precision, dtype, device, mla=is_mla(config))
         self.engine_args = {**settings["engine_args"], **(engine_args or {})}
         self.env = {k: str(v) for k, v in {**settings["env"], **(env or {})}.items()}
         self.batch_invariant = batch_invariant  # vLLM's batch-invariant mode (the exact tier; CUDA only)

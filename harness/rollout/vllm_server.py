@@ -65,7 +65,12 @@ _RENAMES = {"GptOssForCausalLM": ((re.compile(r"^model\.embedding\."), "model.em
 #   its address, device_allocator/cumem.py) keep seeing the loaded values.
 # Model classes whose load_weights was read for the in-place path (vLLM 0.26.0: AutoWeightsLoader with
 # the stacked q/k/v and gate/up mapping, tied lm_head skipped; nothing post-processed by load_weights).
-IN_PLACE_MODELS = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM")
+# GptOssForCausalLM (read in 0.26.0 for issue 37): its unquantized `_load_weights_other` copies each layer's fused
+# experts (permuted to [experts, out, in]) and sinks straight into the live parameters and the rest through
+# their weight loaders; in place that is the load it needs, where vLLM's reload_weights loses those copies
+# (harness.compat.vllm `gpt-oss-reload-direct-copies`, the same code in 0.26.0 and 0.32.0).
+IN_PLACE_MODELS = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM",
+                   "GptOssForCausalLM")
 # Quant methods (unquantized) whose process_weights_after_loading does nothing on CUDA (vLLM 0.26.0:
 # layers/linear.py, layers/vocab_parallel_embedding.py: they prepack only on CPU) ...
 _NO_OP_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")

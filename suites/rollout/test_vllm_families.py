@@ -16,6 +16,10 @@ CPU MLA kernel takes). Without a vLLM environment these fail naming `make vllm`.
 - Nightly (CI's budget): after a training step and a sync from a layout, the engine equals the policy's
   export bit for bit and its logprobs match the trainer's (harness.rollout.check), on the stacks whose bridge
   converts the family (Qwen2-MoE, Gemma 3: stack A; gpt-oss: stack B).
+- `-m gpu` (vLLM 0.26.0 from ../shared/vllm, colocated on the first GPU, strict fp32): the same per-family checks,
+  the syncs from tp1 (weights by CUDA IPC), the guards of the workarounds CUDA needs (Moonlight's latent norm
+  epsilon) and gpt-oss's in-place loading (vLLM's reload_weights loses its experts and sinks there too). The MLA
+  twins run fp32 without vLLM's MLA kernels, which take no fp32 (vllm_engine.STRICT_FP32_CUDA_MLA_ENV).
 """
 from __future__ import annotations
 
@@ -53,53 +57,69 @@ def _update_in_small_buckets(engine, update) -> None:
     assert engine.pending == [], "a fused module was left waiting for members that were sent"
 
 
+def _how(engine) -> dict:
+    """The engine's backend columns of a row: how updates load, which attention vLLM picked."""
+    return {"device": engine.device, "load_path": engine.load_path, "attention": engine.attention_backend}
+
+
 @pytest.mark.usefixtures("needs_vllm")
 @pytest.mark.parametrize("model", list(FAMILIES.values()), ids=list(FAMILIES))
-def test_vllm_runs_the_family_as_hf_does(rollout, model, report):
+def test_vllm_runs_the_family_as_hf_does(rollout, device, model, report):
     engine, hf = rollout(model, engine="vllm"), HFEngine(model)
     expected = hf.weights()
     weights = engine.weights()
     assert set(weights) == set(expected)
     assert all(torch.equal(weights[n], t) for n, t in expected.items())  # bit for bit, as loaded
     at_start = _against_hf(engine, hf)
-    bounded(report, "vllm_vs_hf_max_abs", at_start, model)
+    bounded(report, "vllm_vs_hf_max_abs", at_start, model, **_how(engine))
     update = _perturbed(expected)
     _update_in_small_buckets(engine, update)
     hf.update_weights(update)
     after = engine.weights()
     stale = [name for name, t in update if not torch.equal(after[name], t)]
     updated = _against_hf(engine, hf)
-    bounded(report, "vllm_vs_hf_max_abs_after_update", updated, model, bucket_tensors=BUCKET_TENSORS)
+    bounded(report, "vllm_vs_hf_max_abs_after_update", updated, model, bucket_tensors=BUCKET_TENSORS, **_how(engine))
     assert at_start <= BOUND
     assert stale == [], f"{len(stale)} tensors not updated: {stale[:4]}"
     assert updated <= BOUND
 
 
+def _stale_after_update(engine, hf, update) -> tuple[list[str], float]:
+    engine.update_weights(update)
+    after = engine.weights()
+    return sorted(name for name, t in update if not torch.equal(after[name], t)), _against_hf(engine, hf)
+
+
 @pytest.mark.usefixtures("needs_vllm")
-def test_the_gpt_oss_reload_workaround_is_still_needed(rollout, report):
-    """Without the workaround (the same engine) an update leaves gpt-oss's experts and sinks at their old
-    values and the logprobs off the updated HF model by >= the sensitivity margin in units of the bound: it
-    fails once vLLM loads them through their weight loaders (the workaround would then be dead code)."""
+def test_the_gpt_oss_reload_workaround_is_still_needed(rollout, device, report):
+    """vLLM's reload_weights loses gpt-oss's experts and sinks (0.26.0 and 0.32.0: `_load_weights_other` copies
+    them past the loaders it tracks). On CPU, where every update takes that path, without the workaround (the
+    same engine) an update leaves them at their old values and the logprobs off the updated HF model by >= the
+    sensitivity margin in units of the bound; on CUDA the engine loads gpt-oss in place (its own load_weights,
+    no workaround) and an engine asked for the reload path shows the bug. Either fails once vLLM loads them
+    through their weight loaders (the workaround, and the in-place choice's reason, would then be dead)."""
     model = FAMILIES["gpt-oss"]
     engine, hf = rollout(model, engine="vllm"), HFEngine(model)
-    assert GPT_OSS_RELOAD_DIRECT_COPIES.name in engine.workarounds
     update = _perturbed(hf.weights(), seed=2)
     hf.update_weights(update)
-    engine.set_workaround(GPT_OSS_RELOAD_DIRECT_COPIES.name, False)
-    try:
-        engine.update_weights(update)
-        after = engine.weights()
-        bare = _against_hf(engine, hf)
-    finally:
-        engine.set_workaround(GPT_OSS_RELOAD_DIRECT_COPIES.name, True)
-    stale = sorted(name for name, t in update if not torch.equal(after[name], t))
+    if device == "cpu":
+        assert GPT_OSS_RELOAD_DIRECT_COPIES.name in engine.workarounds
+        engine.set_workaround(GPT_OSS_RELOAD_DIRECT_COPIES.name, False)
+        try:
+            stale, bare = _stale_after_update(engine, hf, update)
+        finally:
+            engine.set_workaround(GPT_OSS_RELOAD_DIRECT_COPIES.name, True)
+    else:
+        assert engine.load_path == "in-place" and engine.workarounds == [], (engine.load_path, engine.workarounds)
+        with VLLMEngine(model, device="cuda", load_path="reload") as reloading:
+            stale, bare = _stale_after_update(reloading, hf, update)
     separation = workaround_off_rows(report, "vllm_vs_hf_max_abs_after_update", bare, model,
                                      GPT_OSS_RELOAD_DIRECT_COPIES.name)
     assert stale and all(name.endswith((".sinks", "_proj", "_proj_bias")) for name in stale), stale
     assert separation >= SENSITIVITY_MARGIN, (
-        f"vLLM {engine.versions['vllm']}: without {GPT_OSS_RELOAD_DIRECT_COPIES.name} an update is {bare:.3g} off "
-        f"HF, under {SENSITIVITY_MARGIN:g}x the bound {BOUND:g}: the bug may be fixed, re-verify harness.compat.vllm")
-    engine.update_weights(update)  # with the workaround back on: the same update lands
+        f"vLLM {engine.versions['vllm']}: through reload_weights an update is {bare:.3g} off HF, under "
+        f"{SENSITIVITY_MARGIN:g}x the bound {BOUND:g}: the bug may be fixed, re-verify harness.compat.vllm")
+    engine.update_weights(update)  # the workaround back on (CPU), in place (CUDA): the same update lands
     assert _against_hf(engine, hf) <= BOUND
 
 
@@ -139,6 +159,21 @@ def test_the_family_workarounds_are_chosen_by_config_and_gated(monkeypatch):
     assert GPT_OSS_RELOAD_DIRECT_COPIES.name not in compat._ENABLED  # nothing was patched
 
 
+def test_fp32_mla_on_cuda_is_fp32_without_vllms_mla_kernels():
+    """Needs no vLLM: vLLM 0.26.0's CUDA MLA kernels take no fp32, so the strict fp32 engine of an MLA model turns
+    vLLM's MLA off (DeepseekV2Attention through TRITON_ATTN); bf16, the CPU and other attention keep vLLM's own."""
+    from harness.models import load_hf_config
+    from harness.rollout.vllm_engine import STRICT_FP32_CUDA, is_mla, precision_settings
+
+    assert [is_mla(load_hf_config(FAMILIES[f])) for f in ("deepseek-v3", "moonlight", "gpt-oss")] == [True, True, False]
+    mla = precision_settings("strict", torch.float32, "cuda", mla=True)
+    assert mla["env"] == {**STRICT_FP32_CUDA["env"], "VLLM_MLA_DISABLE": "1"}
+    assert mla["engine_args"] == STRICT_FP32_CUDA["engine_args"]
+    assert "VLLM_MLA_DISABLE" not in precision_settings("strict", torch.float32, "cuda")["env"]
+    for args in (("strict", torch.bfloat16, "cuda"), ("strict", torch.float32, "cpu"), ("default", torch.float32, "cuda")):
+        assert precision_settings(*args, mla=True) == {"engine_args": {}, "env": {}}, args
+
+
 @pytest.mark.nightly  # one more engine start (~15 s): the refusal's evidence, not a path the harness runs
 @pytest.mark.usefixtures("needs_vllm")
 def test_vllm_itself_fails_the_mla_model_the_engine_refuses(tmp_path, monkeypatch):
@@ -170,7 +205,7 @@ def _synced(policy, device, layout, model, report):
 
 @pytest.mark.nightly
 @pytest.mark.usefixtures("needs_vllm")
-@pytest.mark.layouts(cpu=["tp2ep2etp1-sp"])
+@pytest.mark.layouts(cpu=["tp2ep2etp1-sp"], cuda=["tp1"])
 @pytest.mark.parametrize("family", ["qwen2-moe", "glm4-moe", "gpt-oss", "deepseek-v3", "moonlight"])
 def test_a_synced_vllm_engine_equals_the_trained_moe_family_policy(policy, device, layout, family, report):
     """Experts split over EP and TP, the shared experts (Qwen2-MoE's behind its gate), the routers' expert
@@ -181,7 +216,7 @@ def test_a_synced_vllm_engine_equals_the_trained_moe_family_policy(policy, devic
 
 @pytest.mark.nightly
 @pytest.mark.usefixtures("needs_vllm")
-@pytest.mark.layouts(cpu=["pp2"])
+@pytest.mark.layouts(cpu=["pp2"], cuda=["tp1"])
 def test_a_synced_vllm_engine_equals_the_trained_gemma3_policy(policy, device, layout, report):
     """Gemma 3 (the tied embedding across stages, its zero-centered norms and post-norms, both RoPE bases)."""
     _synced(policy, device, layout, FAMILIES["gemma3"], report)
@@ -189,14 +224,19 @@ def test_a_synced_vllm_engine_equals_the_trained_gemma3_policy(policy, device, l
 
 @pytest.mark.usefixtures("needs_vllm")
 @pytest.mark.parametrize("workaround", [MLA_NORM_EPS_LIKE_HF, CPU_ROPE_3D_QUERY], ids=lambda w: w.name)
-def test_the_moonlight_workarounds_are_still_needed(rollout, workaround, report):
+def test_the_moonlight_workarounds_are_still_needed(rollout, device, workaround, report):
     """Without the workaround (the same engine, the other on) the Moonlight twin's logprobs are off HF's by >= the
     sensitivity margin in units of the bound; back on, within it. mla-norm-eps-like-hf: its rms_norm_eps is not
-    the epsilon of HF's MLA latent norms (1e-6), and vLLM's kv_a_layernorm takes the config's; cpu-rope-3d-query:
-    the CPU rotary op rotates MLA's 3-D query wrongly under plain RoPE. Each fails once vLLM no longer needs it."""
+    the epsilon of HF's MLA latent norms (1e-6), and vLLM's kv_a_layernorm takes the config's (on every device; on
+    CUDA in fp32 through DeepseekV2Attention, vllm_engine.STRICT_FP32_CUDA_MLA_ENV); cpu-rope-3d-query: the CPU
+    rotary op rotates MLA's 3-D query wrongly under plain RoPE (CPU only: CUDA's is another kernel). Each fails
+    once vLLM no longer needs it."""
     model = FAMILIES["moonlight"]
     engine, hf = rollout(model, engine="vllm"), HFEngine(model)
-    assert {MLA_NORM_EPS_LIKE_HF.name, CPU_ROPE_3D_QUERY.name} <= set(engine.workarounds)
+    assert MLA_NORM_EPS_LIKE_HF.name in engine.workarounds
+    if device != "cpu" and workaround is CPU_ROPE_3D_QUERY:
+        assert CPU_ROPE_3D_QUERY.name not in engine.workarounds  # not installed where it is not needed
+        return
     engine.set_workaround(workaround.name, False)
     try:
         bare = _against_hf(engine, hf)
