@@ -165,7 +165,8 @@ def from_token_routes(rows: list[torch.Tensor], real: torch.Tensor) -> torch.Ten
     engine's per-request form: vLLM's `CompletionOutput.routed_experts`, prompt + completion - 1
     rows), placed on the row's real columns (left padding skipped); PAD at pads and at the last
     token. A row whose count is not its real tokens less one raises: an engine that returned the
-    last token's route, or lost one, would otherwise be replayed one token off."""
+    last token's route, or lost one, would otherwise be replayed one token off. A layer may be PAD at
+    every token (a dense layer: `routed_layers`); a negative id anywhere in a MoE layer raises."""
     if len(rows) != real.shape[0]:
         raise ValueError(f"routes for {len(rows)} rows, the batch has {real.shape[0]}")
     shapes = {tuple(r.shape[1:]) for r in rows}
@@ -180,8 +181,10 @@ def from_token_routes(rows: list[torch.Tensor], real: torch.Tensor) -> torch.Ten
             raise ValueError(f"row {b}: routes of {r.shape[0]} tokens for {int(real[b].sum())} real tokens "
                              f"(expected {expected}: every token but the last sampled one)")
         out[b, where[b]] = r.to(torch.int64)
-    if bool((out[where] < 0).any()):
-        raise ValueError("an engine's route holds a negative expert id")
+    fed = out[where]  # [tokens, L, K]
+    dense = (fed == PAD).all(-1).all(0)  # [L]: a dense layer, PAD at every fed token
+    if bool((fed[:, ~dense] < 0).any()):
+        raise ValueError("an engine's route holds a negative expert id in a MoE layer")
     return out
 
 

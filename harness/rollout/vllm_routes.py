@@ -1,7 +1,7 @@
 """Routing replay (R3) from vLLM: the routes vLLM's routers took, per request, inside the engine's process.
 
 Runs under the vLLM environment's Python (harness/rollout/vllm_server.py imports it): the standard
-library, numpy and torch at import time, vllm inside the functions. The client turns each
+library, torch and harness.rollout.routing at import time, vllm inside the functions. The client turns each
 completion's routes into `Rollouts.routing` with `harness.rollout.routing.from_token_routes`.
 
 What vLLM returns (`LLM(enable_return_routed_experts=True)`; read in vLLM 0.26.0 and 0.32.0):
@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from harness.rollout.routing import PAD
+
 NATIVE = "vllm"  # CompletionOutput.routed_experts
 HOOK = "harness-hook"  # RouteHook on vLLM's router capture point
 # (vLLM version, device) where vLLM cannot return routes itself, and why: the harness records them.
@@ -49,7 +51,24 @@ def route_source(version: str, device: str) -> str:
 
 
 def num_experts(hf_config: dict[str, Any]) -> int:
-    return int(hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0)
+    """Routed experts per MoE layer (Qwen-MoE's num_experts, Mixtral's and gpt-oss's num_local_experts,
+    DeepSeek's and GLM-4.5's n_routed_experts); 0 for a dense model."""
+    return int(hf_config.get("num_experts") or hf_config.get("num_local_experts")
+               or hf_config.get("n_routed_experts") or 0)
+
+
+def moe_layers(hf_config: dict[str, Any]) -> list[int]:
+    """The global layers with a router, read from the config as HF and vLLM build the model: DeepSeek's and
+    GLM-4.5's first `first_k_dense_replace` layers are dense (DeepSeek: also every layer off `moe_layer_freq`),
+    Qwen-MoE's `mlp_only_layers` and those off `decoder_sparse_step`. The other layers' routes are PAD."""
+    if not num_experts(hf_config):
+        return []
+    dense = int(hf_config.get("first_k_dense_replace") or 0)
+    freq = int(hf_config.get("moe_layer_freq") or 1)
+    step = int(hf_config.get("decoder_sparse_step") or 1)
+    mlp_only = set(hf_config.get("mlp_only_layers") or [])
+    return [layer for layer in range(int(hf_config["num_hidden_layers"]))
+            if layer >= dense and layer % freq == 0 and (layer + 1) % step == 0 and layer not in mlp_only]
 
 
 def engine_args(source: str) -> dict[str, Any]:
@@ -70,12 +89,14 @@ class RouteHook:
     Each MoE layer's router calls its capture function with the forward's [tokens, K] top-k ids; a
     wrapper of the model runner's `_model_forward` assigns the forward's tokens to requests by the
     runner's layout (`input_batch.req_ids`, `query_start_loc`) and to positions by the forward's
-    `positions`. A recomputed position (preemption) keeps its last route."""
+    `positions`. A recomputed position (preemption) keeps its last route. `routed` (`moe_layers`): the
+    layers with a router, which must be the ones hooked; a dense layer's rows are PAD."""
 
-    def __init__(self, llm, num_layers: int) -> None:
+    def __init__(self, llm, num_layers: int, routed: list[int]) -> None:
         from vllm.model_executor.layers.fused_moe.layer import MoERunner
 
         self.num_layers = num_layers
+        self.routed = sorted(routed)
         self.active = False
         self.records: dict[str, dict[int, tuple[int, torch.Tensor]]] = {}
         self._step: dict[int, torch.Tensor] | None = None
@@ -94,9 +115,9 @@ class RouteHook:
             return layers
 
         bound = sorted(llm.apply_model(bind)[0])
-        if bound != list(range(num_layers)):
-            raise RuntimeError(f"routers of layers {bound} hooked, the model has {num_layers} layers: only "
-                               "models whose every layer is a MoE layer are recorded")
+        if bound != self.routed:
+            raise RuntimeError(f"routers of layers {bound} hooked in vLLM's model, the config's MoE layers are "
+                               f"{self.routed} (of {num_layers})")
         original = runner._model_forward
 
         def model_forward(*args, **kwargs):
@@ -129,9 +150,12 @@ class RouteHook:
         total = int(starts[-1]) if n else 0
         if total == 0:
             return
-        if sorted(self._step) != list(range(self.num_layers)):
-            raise RuntimeError(f"a forward of {total} tokens routed layers {sorted(self._step)}")
-        routes = torch.stack([self._step[layer][:total] for layer in range(self.num_layers)], dim=1)
+        if sorted(self._step) != self.routed:
+            raise RuntimeError(f"a forward of {total} tokens routed layers {sorted(self._step)}, not {self.routed}")
+        k = self._step[self.routed[0]].shape[-1]
+        dense = torch.full((total, k), PAD, dtype=torch.int64)
+        routes = torch.stack([self._step[layer][:total] if layer in self._step else dense
+                              for layer in range(self.num_layers)], dim=1)
         ids = kwargs["input_ids"][:total].cpu().tolist()
         positions = kwargs["positions"][:total].cpu().tolist()
         for i, request in enumerate(runner.input_batch.req_ids[:n]):
@@ -165,10 +189,11 @@ class RouteHook:
         return torch.stack([record[p][1] for p in range(len(fed))])
 
 
-def completion_routes(source: str, hook: RouteHook | None, output, completion, num_layers: int, top_k: int
-                      ) -> torch.Tensor:
+def completion_routes(source: str, hook: RouteHook | None, output, completion, num_layers: int, top_k: int,
+                      routed: list[int]) -> torch.Tensor:
     """One completion's routes [prompt + completion - 1, L, K] as int16 (vLLM's shape and order),
-    checked against that shape."""
+    checked against that shape, PAD at the layers off `routed` (`moe_layers`): vLLM's capture buffer
+    starts as zeros and no router writes a dense layer's rows, which would read as expert 0."""
     fed = list(output.prompt_token_ids) + list(completion.token_ids)[:-1]
     if source == HOOK:
         routes = hook.routes(output.request_id, completion.index, len(output.outputs), fed)
@@ -181,4 +206,6 @@ def completion_routes(source: str, hook: RouteHook | None, output, completion, n
     if tuple(routes.shape) != expected:
         raise RuntimeError(f"routes of shape {tuple(routes.shape)} for a completion that fed {len(fed)} tokens "
                            f"(expected {expected}: prompt + completion - 1 tokens, every layer, top-k)")
-    return routes.to(torch.int16)
+    routes = routes.to(torch.int16)
+    routes[:, [layer for layer in range(num_layers) if layer not in set(routed)]] = PAD
+    return routes

