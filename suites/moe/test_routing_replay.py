@@ -47,6 +47,13 @@ def test_replay_routes_as_the_engine_did_and_routers_get_gradients(policy, devic
 # (the HF ground truth weighs forced experts so: harness.rollout.routing.forced_weights). CPU, HF engine.
 FAMILIES = ["tiny-glm4-moe", "tiny-deepseek-v3"]
 GPT_OSS = "tiny-gpt-oss"
+# vLLM's twins of the MoE families (zoo.VLLM_CPU_TWINS): DeepSeek-V3's (a dense first layer, a biased sigmoid
+# router with group-limited top-k) in CI, the rest nightly (a vLLM engine each)
+ROUTED_TWINS = [pytest.param("tiny-qwen3-moe-hd32", id="qwen3-moe"),
+                pytest.param("tiny-deepseek-v3-mla576", id="deepseek-v3"),
+                pytest.param("tiny-glm4-moe-hd32", id="glm4-moe", marks=pytest.mark.nightly),
+                pytest.param("tiny-qwen2-moe-hd32", id="qwen2-moe", marks=pytest.mark.nightly),
+                pytest.param("tiny-gpt-oss-hd32", id="gpt-oss", marks=pytest.mark.nightly)]
 
 
 # CI: DeepSeek-V3 at tp1 (every feature above, plus the group limit; 1.7 s, 11-15 s with the tp1 world's start
@@ -56,6 +63,18 @@ GPT_OSS = "tiny-gpt-oss"
 def test_replay_with_dense_layers_and_biased_sigmoid_routers(policy, device, layout, model, report):
     skip_unless_converted(model)  # a family this stack cannot build
     result = replay_check(policy, layout, "fp32", device=device, model=model, engine="hf")
+    report.extend(result.rows())
+    assert result.passed, result.summary()
+
+
+# The same check on vLLM's routes of each MoE family (their vLLM twins: the policy is built on the twin too;
+# harness.training.replay_check.engine_model), nightly: a vLLM engine and a world each.
+@pytest.mark.nightly
+@pytest.mark.layouts(cpu=["tp1"], cuda=[])
+@pytest.mark.parametrize("model", [p for p in ROUTED_TWINS if p.id != "qwen3-moe"])
+def test_replay_of_vllms_routes_on_every_moe_family(policy, device, layout, model, report):
+    skip_unless_converted(model)  # gpt-oss: stack B's
+    result = replay_check(policy, layout, "fp32", device=device, model=model, engine="vllm")
     report.extend(result.rows())
     assert result.passed, result.summary()
 
@@ -243,15 +262,6 @@ def _hf_routes(hf, batch, real):
     dense = torch.full(real.shape, float("inf"))
     return (recorder.routes(real.shape[0], real),
             torch.stack([gaps.get(layer, dense) for layer in range(config.num_hidden_layers)], dim=2))
-
-
-# vLLM's twins of the MoE families (zoo.VLLM_CPU_TWINS): DeepSeek-V3's (a dense first layer, a biased sigmoid
-# router with group-limited top-k) in CI, the rest nightly (a vLLM engine each)
-ROUTED_TWINS = [pytest.param("tiny-qwen3-moe-hd32", id="qwen3-moe"),
-                pytest.param("tiny-deepseek-v3-mla576", id="deepseek-v3"),
-                pytest.param("tiny-glm4-moe-hd32", id="glm4-moe", marks=pytest.mark.nightly),
-                pytest.param("tiny-qwen2-moe-hd32", id="qwen2-moe", marks=pytest.mark.nightly),
-                pytest.param("tiny-gpt-oss-hd32", id="gpt-oss", marks=pytest.mark.nightly)]
 
 
 @pytest.mark.parametrize("model", ROUTED_TWINS)
