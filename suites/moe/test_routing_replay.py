@@ -341,10 +341,12 @@ def test_the_rl_loop_runs_with_routing_replay(rl_loop, device, layout, engine, r
 # fp32 both route alike on CPU, so an agreement of 1.0 there would not tell a replay that does nothing.
 @pytest.mark.nightly
 @pytest.mark.layouts(cpu=["dp2ep2"], cuda=[])
-@pytest.mark.parametrize("model", [*FAMILIES, GPT_OSS])
-def test_the_rl_loop_replays_the_routes_of_every_moe_family(rl_loop, device, layout, model, report):
+@pytest.mark.parametrize("model, engine", [*((m, "hf") for m in [*FAMILIES, GPT_OSS]),
+                                           *((p.values[0], "vllm") for p in ROUTED_TWINS if p.id != "qwen3-moe")])
+def test_the_rl_loop_replays_the_routes_of_every_moe_family(rl_loop, device, layout, model, engine, report):
+    """On vLLM, each family's twin (the policy built on it too)."""
     skip_unless_converted(model)  # a family this stack cannot build
-    _loop_replays_every_iteration(rl_loop, layout, model, "hf", report, dtype="bf16")
+    _loop_replays_every_iteration(rl_loop, layout, model, engine, report, dtype="bf16")
 
 
 def _loop_replays_every_iteration(rl_loop, layout, model, engine, report, iterations=2, dtype="fp32"):
