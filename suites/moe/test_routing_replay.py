@@ -16,6 +16,9 @@ the fixed path passing, on both engines: suites/sensitivity. The GRPO loop runs 
 
 GLM-4.5-MoE and DeepSeek-V3 (a dense first layer, a sigmoid router with an expert bias, group limit and
 routed scaling) run the check on the HF engine: DeepSeek-V3 at tp1 in CI, the rest (GLM, dp2ep2) nightly.
+vLLM's routes of every MoE family (its twins: DeepSeek-V3 in CI, GLM-4.5-MoE, Qwen2-MoE, gpt-oss nightly) equal
+HF's routers' on the same rows, PAD at the dense layers (harness.rollout.vllm_routes.moe_layers); the trainer
+replays them (tp1) and the GRPO loop on vLLM replays them (dp2ep2), nightly.
 gpt-oss (its router `mlp.router`: the top k of biased logits, then a softmax over those k) runs it on stack
 B only (stack A has no gpt-oss bridge: refused), with the catalog's replay variants on its routes; the GRPO
 loop replays the routes of all three (nightly).
@@ -58,11 +61,23 @@ ROUTED_TWINS = [pytest.param("tiny-qwen3-moe-hd32", id="qwen3-moe"),
 
 # CI: DeepSeek-V3 at tp1 (every feature above, plus the group limit; 1.7 s, 11-15 s with the tp1 world's start
 # when no earlier test started it); the rest nightly
-@pytest.mark.layouts(cpu=["tp1", pytest.param("dp2ep2", marks=pytest.mark.nightly)], cuda=[])
+@pytest.mark.layouts(cpu=["tp1", *(pytest.param(layout, marks=pytest.mark.nightly)
+                                   for layout in ("dp2ep2", "tp2ep2etp1-sp"))], cuda=[])
 @pytest.mark.parametrize("model", [pytest.param("tiny-glm4-moe", marks=pytest.mark.nightly), "tiny-deepseek-v3"])
 def test_replay_with_dense_layers_and_biased_sigmoid_routers(policy, device, layout, model, report):
+    _replay_passes(policy, device, layout, model, report)
+
+
+# Under context parallelism: GLM-4.5-MoE (DeepSeek-V3's MLA takes no CP in the harness: refused by the layout)
+@pytest.mark.nightly
+@pytest.mark.layouts(cpu=["cp2ep2"], cuda=[])
+def test_replay_with_dense_layers_and_biased_sigmoid_routers_under_cp(policy, device, layout, report):
+    _replay_passes(policy, device, layout, "tiny-glm4-moe", report)
+
+
+def _replay_passes(policy, device, layout, model, report, engine="hf"):
     skip_unless_converted(model)  # a family this stack cannot build
-    result = replay_check(policy, layout, "fp32", device=device, model=model, engine="hf")
+    result = replay_check(policy, layout, "fp32", device=device, model=model, engine=engine)
     report.extend(result.rows())
     assert result.passed, result.summary()
 
@@ -73,10 +88,7 @@ def test_replay_with_dense_layers_and_biased_sigmoid_routers(policy, device, lay
 @pytest.mark.layouts(cpu=["tp1"], cuda=[])
 @pytest.mark.parametrize("model", [p for p in ROUTED_TWINS if p.id != "qwen3-moe"])
 def test_replay_of_vllms_routes_on_every_moe_family(policy, device, layout, model, report):
-    skip_unless_converted(model)  # gpt-oss: stack B's
-    result = replay_check(policy, layout, "fp32", device=device, model=model, engine="vllm")
-    report.extend(result.rows())
-    assert result.passed, result.summary()
+    _replay_passes(policy, device, layout, model, report, engine="vllm")  # gpt-oss: stack B's
 
 
 # gpt-oss (stack B; stack A's bridge refuses the family): HF's router (`mlp.router`, recorded and forced as
@@ -85,12 +97,9 @@ def test_replay_of_vllms_routes_on_every_moe_family(policy, device, layout, mode
 # experts and taking the same softmax (moe_utils.topk_routing_with_score_function), the HF ground truth
 # forced to the routes weighs them so (harness.rollout.routing.forced_weights).
 @pytest.mark.nightly
-@pytest.mark.layouts(cpu=["tp1", "dp2ep2"], cuda=[])
+@pytest.mark.layouts(cpu=["tp1", "dp2ep2", "tp2ep2etp1-sp"], cuda=[])  # no CP: its sliding windows are refused there
 def test_replay_with_the_gpt_oss_router(policy, device, layout, report):
-    skip_unless_converted(GPT_OSS)
-    result = replay_check(policy, layout, "fp32", device=device, model=GPT_OSS, engine="hf")
-    report.extend(result.rows())
-    assert result.passed, result.summary()
+    _replay_passes(policy, device, layout, GPT_OSS, report)
 
 
 @pytest.mark.nightly
