@@ -691,7 +691,12 @@ def checkpoint_state_dict(model: PreTrainedModel) -> dict[str, torch.Tensor]:
     MoE layer's experts fused (`mlp.experts.gate_up_proj` [experts, 2 x width, hidden]) and writes them
     per expert (`mlp.experts.<e>.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.<e>.w1.weight`),
     which is what the bridges read and export. Dense models: their state dict as it is."""
+    return as_checkpoint_tensors(model, {name: tensor.detach().clone() for name, tensor in model.state_dict().items()})
+
+
+def as_checkpoint_tensors(model: PreTrainedModel, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors named and shaped as `model`'s parameters (its weights, or their gradients) under its
+    checkpoint's names (checkpoint_state_dict): the fused experts split per expert."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-    return dict(revert_weight_conversion(model, state))
+    return dict(revert_weight_conversion(model, dict(tensors)))

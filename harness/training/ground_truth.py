@@ -64,6 +64,8 @@ def policy_logprobs(model: nn.Module, train_batch: RLTrainBatch, *,
     differ only in summation order (~1e-7). False: one forward for the whole part (faster).
     """
     device = next(model.parameters()).device
+    if next(model.parameters()).dtype == torch.float64:
+        return _unpadded_logprobs(model, train_batch)
     batch = train_batch.batch.to(device)
     rows = batch.split(batch.batch_size) if batch_invariant else [batch]
     out = []
@@ -72,6 +74,28 @@ def policy_logprobs(model: nn.Module, train_batch: RLTrainBatch, *,
                        position_ids=part.position_ids(), use_cache=False).logits
         out.append(shifted_token_outputs(logits, part.input_ids, part.logprob_mask())[0])
     return torch.cat(out)
+
+
+def _unpadded_logprobs(model: nn.Module, train_batch: RLTrainBatch) -> torch.Tensor:
+    """policy_logprobs of a float64 model: one row at a time on its real tokens only (no attention mask), as
+    `harness.logprobs.hf.hf_unpadded_token_outputs` with autograd on. HF's float64 mask is -inf, so a padded
+    position's fully masked query row would be NaN, which the next layer carries into every row."""
+    device = next(model.parameters()).device
+    batch = train_batch.batch
+    valid = batch.logprob_mask()
+    out = torch.zeros(batch.input_ids.shape, dtype=torch.float64, device=device)
+    for row in range(batch.batch_size):
+        real = batch.attention_mask[row].nonzero().flatten()
+        if len(real) == 0:
+            continue
+        first, last = int(real[0]), int(real[-1]) + 1
+        if len(real) != last - first:
+            raise ValueError(f"row {row}: its real tokens are not contiguous")
+        ids = batch.input_ids[row:row + 1, first:last].to(device)
+        logits = model(input_ids=ids, position_ids=torch.arange(last - first, device=device)[None],
+                       use_cache=False).logits
+        out[row, first:last] = shifted_token_outputs(logits, ids, valid[row:row + 1, first:last].to(device))[0][0]
+    return out
 
 
 def megatron_lr_lambda(warmup_steps: int, decay_style: DecayStyle, decay_steps: int | None,
@@ -226,6 +250,36 @@ class GroundTruthTrainer:
         self.steps_done += 1
         return {"loss": loss, "grad_norm": float(grad_norm), "lr": lr,
                 "micro_batches": stats, **_summed(stats), **yardstick}
+
+    def gradients(self, train_batch: RLTrainBatch, micro_batches: int = 1,
+                  compute: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """The unclipped gradient of the step's loss at the current weights, by parameter name (float64 copies),
+        computed with the model in `compute` (torch.float64: the same weights, exact arithmetic to fp32's
+        eye; its experts HF's eager loop, as torch's grouped_mm takes no float64). Nothing changes: the
+        model goes back to fp32 (its values exact both ways), its floating buffers and gradients as they were."""
+        if compute not in (torch.float32, torch.float64):
+            raise ValueError(f"compute must be torch.float32 or torch.float64, got {compute}")
+        buffers = {name: b.detach().clone() for name, b in self.model.named_buffers() if b.is_floating_point()}
+        experts = getattr(self.model.config, "_experts_implementation", None)
+        self.optimizer.zero_grad(set_to_none=True)
+        if compute == torch.float64:
+            self.model.to(torch.float64)
+            if experts not in (None, "eager"):
+                self.model.set_experts_implementation("eager")
+        try:
+            with self._forward_weights():
+                self._micro_losses(train_batch, micro_batches, backward=True)
+            return {name: p.grad.detach().double().cpu().clone() for name, p in self.model.named_parameters()
+                    if p.grad is not None}
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            if compute == torch.float64:
+                self.model.to(torch.float32)
+                if experts not in (None, "eager"):
+                    self.model.set_experts_implementation(experts)
+                with torch.no_grad():
+                    for name, kept in buffers.items():
+                        self.model.get_buffer(name).copy_(kept)
 
     @torch.no_grad()
     def _hf_bf16_loss(self, train_batch: RLTrainBatch, micro_batches: int) -> dict[str, float]:
