@@ -234,11 +234,11 @@ def _choice_gap(router, logits: torch.Tensor, k: int) -> torch.Tensor:
     scores = logits.sigmoid() + bias.float()
     groups, chosen = router.num_group, router.topk_group
     per_group = scores.view(len(scores), groups, -1)
-    group_gap = torch.full((len(scores),), float("inf"))
+    group_gap = torch.full((len(scores),), float("inf"), device=scores.device)
     if chosen < groups:
         ranked = per_group.topk(2, dim=-1).values.sum(-1).topk(chosen + 1, dim=-1)
         group_gap = ranked.values[:, chosen - 1] - ranked.values[:, chosen]
-        keep = torch.zeros(len(scores), groups, dtype=torch.bool).scatter_(1, ranked.indices[:, :chosen], True)
+        keep = torch.zeros(len(scores), groups, dtype=torch.bool, device=scores.device).scatter_(1, ranked.indices[:, :chosen], True)
         scores = per_group.masked_fill(~keep[..., None], float("-inf")).view(len(scores), -1)
     top = scores.topk(k + 1, dim=-1).values
     return torch.minimum(group_gap, top[:, k - 1] - top[:, k])
