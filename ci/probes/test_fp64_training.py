@@ -19,7 +19,8 @@ import torch
 from harness.training.invariance import LOSS, OPTIM, STEPS, compare_to_ground_truth, ground_truth, policy_config
 
 MODEL = "tiny-deepseek-v3"
-NAME = "model.layers.0.self_attn.kv_b_proj.weight"
+NAME = "model.layers.0.self_attn.kv_b_proj.weight"  # where the bound trips on the CPU tier (tp2ep2etp1-sp)
+TENSORS = (NAME, "model.layers.0.self_attn.o_proj.weight")  # and on CUDA (tp1, both stacks, session 53)
 LAYOUTS = ["tp1", "dp2ep2", "pp2", "tp2-sp", "tp2ep2etp1-sp"]
 
 
@@ -45,7 +46,7 @@ def _distances(state, ref) -> dict[str, float]:
     return {n: (state[n].double() - ref[n].double()).abs().max().item() for n in ref if n in state}
 
 
-@pytest.mark.layouts(cpu=LAYOUTS)
+@pytest.mark.layouts(cpu=LAYOUTS, cuda=["tp1"])
 def test_the_policys_weights_against_float64(policy, device, layout, report):
     handle = policy(layout, MODEL, **policy_config())
     result = compare_to_ground_truth(handle, model=MODEL)
@@ -57,22 +58,24 @@ def test_the_policys_weights_against_float64(policy, device, layout, report):
     for name in sorted(to32, key=to32.get, reverse=True)[:5]:
         print(f"  {name:52s} policy-fp32 {to32[name]:.3g}  policy-fp64 {to64[name]:.3g}  "
               f"fp32 truth-fp64 {truth_to64[name]:.3g}")
-    for metric, value in (("policy_vs_fp32_truth", to32[NAME]), ("policy_vs_fp64_truth", to64[NAME]),
-                          ("fp32_truth_vs_fp64_truth", truth_to64[NAME])):
-        report.add(metric, value, tolerance=None, passed=True, claim="observed", layout=layout, model=MODEL,
-                   tensor=NAME)
+    for name in TENSORS:
+        for metric, value in (("policy_vs_fp32_truth", to32[name]), ("policy_vs_fp64_truth", to64[name]),
+                              ("fp32_truth_vs_fp64_truth", truth_to64[name])):
+            report.add(metric, value, tolerance=None, passed=True, claim="observed", layout=layout, model=MODEL,
+                       tensor=name)
     assert truth_to64[NAME] > 0  # the float64 run moved off the fp32 one: it is another arithmetic
 
 
-@pytest.mark.layouts(cpu=["tp1", "tp2-sp", "tp2ep2etp1-sp"])
-def test_the_first_gradient_of_layer_0s_kv_b_proj(policy, device, layout, report):
+@pytest.mark.parametrize("name", TENSORS)
+@pytest.mark.layouts(cpu=["tp1", "tp2-sp", "tp2ep2etp1-sp"], cuda=["tp1"])
+def test_the_first_gradient_of_a_layer_0_projection(policy, device, layout, name, report):
     from harness.training.grad_check import hf_gradients, policy_gradients
 
     batches, _, _ = ground_truth(MODEL)
-    got = policy_gradients(policy(layout, MODEL, **policy_config()), batches[0])[NAME]
-    g64, g32 = hf_gradients(MODEL, batches[0], torch.float64)[NAME], hf_gradients(MODEL, batches[0], torch.float32)[NAME]
+    got = policy_gradients(policy(layout, MODEL, **policy_config()), batches[0])[name]
+    g64, g32 = hf_gradients(MODEL, batches[0], torch.float64)[name], hf_gradients(MODEL, batches[0], torch.float32)[name]
     norm = g64.norm().item()
-    print(f"\n{layout}: |g| {norm:.4g}; relative error policy {(got - g64).norm().item() / norm:.3g}, "
+    print(f"\n{layout} {name}: |g| {norm:.4g}; relative error policy {(got - g64).norm().item() / norm:.3g}, "
           f"fp32 truth {(g32 - g64).norm().item() / norm:.3g}; max |d| policy {(got - g64).abs().max().item():.3g}, "
           f"fp32 truth {(g32 - g64).abs().max().item():.3g}")
     # Adam's first update of an element is lr * g / (|g| + eps) (m and v bias-corrected): its sensitivity to g is
@@ -86,8 +89,8 @@ def test_the_first_gradient_of_layer_0s_kv_b_proj(policy, device, layout, report
               f"(g64 {g64.flatten()[at].item():.3g}, g {g.flatten()[at].item():.3g}, "
               f"sensitivity {lr * eps / (g64.flatten()[at].abs().item() + eps) ** 2:.3g})")
         report.add(f"{who}_first_adam_update_max_abs_diff_vs_fp64", du.max().item(), tolerance=None, passed=True,
-                   claim="observed", layout=layout, model=MODEL, tensor=NAME, element=at,
+                   claim="observed", layout=layout, model=MODEL, tensor=name, element=at,
                    grad_fp64=g64.flatten()[at].item(), grad=g.flatten()[at].item())
         report.add(f"{who}_grad_rel_error_vs_fp64", (g - g64).norm().item() / norm, tolerance=None, passed=True,
-                   claim="observed", layout=layout, model=MODEL, tensor=NAME)
+                   claim="observed", layout=layout, model=MODEL, tensor=name)
     assert got.shape == g64.shape
