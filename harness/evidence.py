@@ -33,6 +33,8 @@ H200X2_MOE_TE_B = "reports/gpu/2026-11-26-h200x2-moe-te/rows-b/20261126-033518-0
 CPU_EXACT = "reports/cpu/2026-11-27-exact/run/results.json"
 CPU_EXACT_B = "reports/cpu/2026-11-27-exact/run-b/results.json"
 H100X4_SHAPES = "reports/gpu/2026-11-27-h100x4-session44/rows-shapesA/20261127-225212-d24fb5/results.json"
+CPU_FP64_GRADS = "reports/cpu/2026-12-07-fp64-gradients/run-a/results.json"
+H100_FP64_GRADS = "reports/gpu/2026-12-07-h100-session53/rows-gradsDsv3/20261207-123111-36b460/results.json"
 
 NOTES = {
     CPU_BASELINE: "CPU/gloo baseline (make test)",
@@ -62,6 +64,9 @@ NOTES = {
     H100X4_SHAPES: "H100 (1-2 of a 4x H100), stack A on TE 2.20.2: suites/models/test_shapes.py, the -shape models "
                    "(qwen3-8b-shape, qwen3-30b-a3b-shape) in bf16 with the fp32 evaluation of their state at tp1 and tp2 "
                    "(issue 37 run, da99309)",
+    CPU_FP64_GRADS: "CPU/gloo, stack A: tiny-deepseek-v3's first-step gradients against HF's float64 at tp1, tp2-sp, "
+                    "tp2ep2etp1-sp and the stock MLA gather control (harness.training.grad_check; issue 37 run)",
+    H100_FP64_GRADS: "1x H100, stack A, the local spec: the same gradient check at tp1 (issue 37 run, 88b0f2d)",
     CPU_EXACT_B: "CPU/gloo, stack B (megatron-core 0.19.2 + Megatron-Bridge): the same tests (issue 35 run)",
 }
 

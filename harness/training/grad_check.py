@@ -8,7 +8,7 @@ layer 0's kv_b_proj, an element with g = 2.8e-6, 1e-7 of rounding, 7e-6 of weigh
 reports/cpu/2026-12-07-fp64-gradients). The gradient itself has no such amplifier. So this check takes the
 first step's unclipped gradient of every parameter, in HF's names, three ways on the same weights and batch:
 the policy (fp32, its layout's reduction orders), HF's fp32 ground truth and HF in float64, and holds the
-policy's distance to float64 to a multiple of HF's own fp32 distance, tensor by tensor (`BOUNDS`). A missing
+policy's distance to float64 to a multiple of HF's own fp32 distance, tensor by tensor (`bound()`). A missing
 reduction or a gradient split wrongly (the MLA rope key's, harness.compat.megatron_core.MLA_ROPE_KEY_GRAD) is
 orders of magnitude past fp32's rounding in the tensors it touches; a reduction order is not.
 
@@ -23,19 +23,17 @@ from typing import Any
 
 import torch
 
-from harness.tolerance import Tolerance
 
 # A relative error below fp32's unit roundoff (2^-24) is the exact answer rounded once to fp32: HF's own fp32
 # distance is floored there, so a tensor HF happens to get exact does not make any rounding a failure.
 FP32_ROUNDOFF = 2.0 ** -24
+METRIC = "grad_error_over_hf_fp32"  # its bound: harness.training.tolerances
 
-BOUNDS = {
-    "grad_error_over_hf_fp32": Tolerance("grad_error_over_hf_fp32", "fp32", 4.0, rationale=(
-        "the policy's relative distance to HF's float64 gradient over HF's own fp32 one (floored at 2^-24), "
-        "worst tensor: measured 1.51 (tp1), 1.70 (tp2-sp), 1.56 (tp2ep2etp1-sp), tiny-deepseek-v3 on the CPU "
-        "tier (reports/cpu/2026-12-07-fp64-gradients); 4 leaves room for other reduction orders; megatron-core's "
-        "own MLA gather (the rope key's gradient not summed over TP) reads 2.1e5 at tp2ep2etp1-sp")),
-}
+
+def bound():
+    from harness.training.tolerances import training_tolerance
+
+    return training_tolerance(METRIC, "fp32")
 
 
 @dataclass
@@ -55,13 +53,13 @@ class GradientComparison:
 
     @property
     def passed(self) -> bool:
-        return self.ratio(self.worst) <= BOUNDS["grad_error_over_hf_fp32"].limit
+        return bound().passes(self.ratio(self.worst))
 
     def record(self, report, **fields: Any) -> None:
         """The worst tensor's ratio (bounded) and its two distances (observed) as report rows."""
-        worst, bound = self.worst, BOUNDS["grad_error_over_hf_fp32"]
-        common = dict(layout=self.layout, model=self.model, tensor=worst, **fields)
-        report.add("grad_error_over_hf_fp32", self.ratio(worst), tolerance=bound.limit, passed=self.passed,
+        worst = self.worst
+        common = dict(layout=self.layout, model=self.model, dtype="fp32", tensor=worst, **fields)
+        report.add(METRIC, self.ratio(worst), tolerance=bound().limit, passed=self.passed,
                    claim="bounded", **common)
         report.add("policy_grad_rel_error_vs_fp64", self.policy_error[worst], tolerance=None, passed=True,
                    claim="observed", **common)

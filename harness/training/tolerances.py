@@ -10,7 +10,7 @@ truth: every difference is bf16 rounding, which grows with the steps.
 """
 from __future__ import annotations
 
-from harness.evidence import CPU_BASELINE, H100_TP1, H200X2_RUN, cite
+from harness.evidence import CPU_BASELINE, CPU_FP64_GRADS, H100_FP64_GRADS, H100_TP1, H200X2_RUN, cite
 from harness.tolerance import Evidence, Tolerance, ToleranceTable
 
 _FP32_TARGET = "the issue's fp32 relative bound (1e-5)"
@@ -60,7 +60,18 @@ _TABLE: tuple[Tolerance, ...] = (
                                  {CPU_BASELINE: 0.0, H100_TP1: 0.0, H200X2_RUN: 0.0})),
 )
 
-TABLE = ToleranceTable("training", _TABLE)
+# The first step's gradients against HF in float64 (harness.training.grad_check): per tensor, the policy's
+# relative distance over HF's own fp32 one, the worst tensor's ratio.
+_GRADIENTS = (
+    Tolerance("grad_error_over_hf_fp32", "fp32", 4.0, rationale=(
+        "the policy's gradient as exact as HF's own fp32 to a reduction order: measured 1.51 (tp1), 1.70 (tp2-sp), "
+        "1.56 (tp2ep2etp1-sp) on the CPU tier (the same on both stacks) and 2.10 / 2.03 (stack A / B) at tp1 on an "
+        "H100, tiny-deepseek-v3; 1.9x the worst; megatron-core's own MLA gather (the rope key's gradient not summed "
+        "over TP) reads 2.1e5 at tp2ep2etp1-sp"),
+        evidence=cite((("metric", "grad_error_over_hf_fp32"),), {CPU_FP64_GRADS: 1.7, H100_FP64_GRADS: 2.1})),
+)
+
+TABLE = ToleranceTable("training", _TABLE + _GRADIENTS)
 
 
 def training_tolerance(metric: str, dtype) -> Tolerance:

@@ -272,3 +272,33 @@ def test_a_loss_held_within_hfs_own_bf16_takes_the_larger_of_the_bound_and_that_
     assert _loss_bound("bf16", noisy, False) is table
     with pytest.raises(ValueError, match="loss_within_hf_bf16 needs truth_weights='bf16'"):
         compare_to_ground_truth(None, loss_within_hf_bf16=True)
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-qwen3-moe"])
+def test_the_gradients_in_float64_are_fp32s_to_rounding_and_change_nothing(model):
+    """GroundTruthTrainer.gradients (harness.training.grad_check's reference): in fp32 the step's own unclipped
+    gradient, bit for bit; in float64 (a MoE model's experts on HF's eager loop, padded rows run unpadded) the
+    same gradient to fp32's rounding, and the model back in fp32 with its weights and buffers as they were."""
+    from harness.training.ground_truth import exact_grad_norm
+
+    tb = _train_batch()
+    hf = build_hf_model(model, dtype=torch.float32, seed=0)
+    tb = tb.with_old_logprobs(hf_logprobs(hf, tb.batch))
+    trainer = GroundTruthTrainer(hf, lr=1e-3, clip_grad=None)
+    weights = [p.detach().clone() for p in hf.parameters()]
+    buffers = [b.detach().clone() for b in hf.buffers()]
+    fp32, exact = trainer.gradients(tb, 2), trainer.gradients(tb, 2, compute=torch.float64)
+    assert all(p.dtype == torch.float32 and p.grad is None for p in hf.parameters())
+    assert all(torch.equal(p, w) for p, w in zip(hf.parameters(), weights))
+    assert all(torch.equal(b, k) for b, k in zip(hf.buffers(), buffers))
+    assert getattr(hf.config, "_experts_implementation", None) == getattr(
+        build_hf_model(model, dtype=torch.float32, seed=0).config, "_experts_implementation", None)
+    assert set(fp32) == set(exact) == {n for n, p in hf.named_parameters() if p.requires_grad}
+    for name, g in fp32.items():  # fp32 rounding of the same gradient: 1e-4 of its norm (measured 2.1e-6, 2.2e-6)
+        assert (g - exact[name]).norm() <= 1e-4 * exact[name].norm() + 1e-12, name
+    trainer.step(tb, micro_batches=2)  # the step's own gradient is the fp32 one
+    assert all(torch.equal(p.grad.double(), fp32[n]) for n, p in hf.named_parameters() if p.grad is not None)
+    assert exact_grad_norm(trainer.params) == pytest.approx(
+        math.sqrt(sum(float(g.square().sum()) for g in fp32.values())), rel=1e-9)
+    with pytest.raises(ValueError, match="compute must be"):
+        trainer.gradients(tb, 2, compute=torch.bfloat16)
