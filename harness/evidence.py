@@ -34,6 +34,7 @@ CPU_EXACT = "reports/cpu/2026-11-27-exact/run/results.json"
 CPU_EXACT_B = "reports/cpu/2026-11-27-exact/run-b/results.json"
 H100X4_SHAPES = "reports/gpu/2026-11-27-h100x4-session44/rows-shapesA/20261127-225212-d24fb5/results.json"
 CPU_FP64_GRADS = "reports/cpu/2026-12-07-fp64-gradients/run-a/results.json"
+CPU_FP64_GRADS_FAMILIES = "reports/cpu/2026-12-07-fp64-gradients/families-b/results.json"
 H100_FP64_GRADS = "reports/gpu/2026-12-07-h100-session53/rows-gradsDsv3/20261207-123111-36b460/results.json"
 
 NOTES = {
@@ -66,6 +67,8 @@ NOTES = {
                    "(issue 37 run, da99309)",
     CPU_FP64_GRADS: "CPU/gloo, stack A: tiny-deepseek-v3's first-step gradients against HF's float64 at tp1, tp2-sp, "
                     "tp2ep2etp1-sp and the stock MLA gather control (harness.training.grad_check; issue 37 run)",
+    CPU_FP64_GRADS_FAMILIES: "CPU/gloo, stack B: the same gradient check on Qwen3-MoE, GLM-4.5-MoE, gpt-oss and Moonlight at "
+                             "tp2ep2etp1-sp (issue 37 run)",
     H100_FP64_GRADS: "1x H100, stack A, the local spec: the same gradient check at tp1 (issue 37 run, 88b0f2d)",
     CPU_EXACT_B: "CPU/gloo, stack B (megatron-core 0.19.2 + Megatron-Bridge): the same tests (issue 35 run)",
 }

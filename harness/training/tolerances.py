@@ -10,7 +10,7 @@ truth: every difference is bf16 rounding, which grows with the steps.
 """
 from __future__ import annotations
 
-from harness.evidence import CPU_BASELINE, CPU_FP64_GRADS, H100_FP64_GRADS, H100_TP1, H200X2_RUN, cite
+from harness.evidence import CPU_BASELINE, CPU_FP64_GRADS, CPU_FP64_GRADS_FAMILIES, H100_FP64_GRADS, H100_TP1, H200X2_RUN, cite
 from harness.tolerance import Evidence, Tolerance, ToleranceTable
 
 _FP32_TARGET = "the issue's fp32 relative bound (1e-5)"
@@ -66,9 +66,11 @@ _GRADIENTS = (
     Tolerance("grad_error_over_hf_fp32", "fp32", 4.0, rationale=(
         "the policy's gradient as exact as HF's own fp32 to a reduction order: measured 1.51 (tp1), 1.70 (tp2-sp), "
         "1.56 (tp2ep2etp1-sp) on the CPU tier (the same on both stacks) and 2.10 / 2.03 (stack A / B) at tp1 on an "
-        "H100, tiny-deepseek-v3; 1.9x the worst; megatron-core's own MLA gather (the rope key's gradient not summed "
-        "over TP) reads 2.1e5 at tp2ep2etp1-sp"),
-        evidence=cite((("metric", "grad_error_over_hf_fp32"),), {CPU_FP64_GRADS: 1.7, H100_FP64_GRADS: 2.1})),
+        "H100, tiny-deepseek-v3; the other MoE families at tp2ep2etp1-sp 1.15 (Mixtral) to 2.04 (gpt-oss, stack B); "
+        "1.9x the worst; megatron-core's own MLA gather (the rope key's gradient not summed over TP) reads 2.1e5 at "
+        "tp2ep2etp1-sp"),
+        evidence=cite((("metric", "grad_error_over_hf_fp32"),),
+                      {CPU_FP64_GRADS: 1.7, CPU_FP64_GRADS_FAMILIES: 2.0, H100_FP64_GRADS: 2.1})),
 )
 
 TABLE = ToleranceTable("training", _TABLE + _GRADIENTS)

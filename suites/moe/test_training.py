@@ -175,6 +175,22 @@ def test_deepseek_v3_gradients_are_as_exact_as_hfs_own_fp32(policy, device, layo
     assert result.passed, result.summary()
 
 
+# Every other MoE family at the expert layout that splits both attention and experts (tp2ep2etp1-sp): the same
+# gradient check, which no Adam conditioning can trip (gpt-oss on stack B; Gemma 3 has no experts and its
+# zero-centered norms no gradient export). Nightly: the float64 HF model costs a few seconds each.
+@pytest.mark.nightly
+@pytest.mark.layouts(cpu=["tp2ep2etp1-sp"], cuda=["tp2ep2etp1-sp"])
+@pytest.mark.parametrize("model", [MODEL, QWEN2_MOE, GLM4_MOE, GPT_OSS, "tiny-moonlight", "tiny-mixtral"])
+def test_every_moe_familys_gradients_are_as_exact_as_hfs_own_fp32(policy, device, layout, model, report):
+    from harness.training.grad_check import compare_gradients_to_float64
+    from harness.training.invariance import policy_config
+
+    skip_unless_converted(model)
+    result = compare_gradients_to_float64(policy(layout, model, **policy_config()), model)
+    result.record(report)
+    assert result.passed, result.summary()
+
+
 _stock_path: list = []  # rank side: the open compat.trial of a policy built on megatron-core's own MLA gather
 
 

@@ -29,3 +29,10 @@ class _Handle:
 def test_a_layout_whose_gradients_are_sharded_over_data_parallel_ranks_is_refused(layout):
     with pytest.raises(ValueError, match="data parallel 1 and expert data parallel 1"):
         policy_gradients(_Handle(layout), None)
+
+
+def test_a_model_with_zero_centered_norms_is_refused_before_any_work():
+    from harness.training.grad_check import compare_gradients_to_float64
+
+    with pytest.raises(ValueError, match="zero-centered"):
+        compare_gradients_to_float64(_Handle("tp1"), "tiny-gemma3")
