@@ -62,7 +62,7 @@ ROUTED_TWINS = [pytest.param("tiny-qwen3-moe-hd32", id="qwen3-moe"),
 # CI: DeepSeek-V3 at tp1 (every feature above, plus the group limit; 1.7 s, 11-15 s with the tp1 world's start
 # when no earlier test started it); the rest nightly
 @pytest.mark.layouts(cpu=["tp1", *(pytest.param(layout, marks=pytest.mark.nightly)
-                                   for layout in ("dp2ep2", "tp2ep2etp1-sp"))], cuda=[])
+                                   for layout in ("dp2ep2", "tp2ep2etp1-sp"))], cuda=["tp1"])
 @pytest.mark.parametrize("model", [pytest.param("tiny-glm4-moe", marks=pytest.mark.nightly), "tiny-deepseek-v3"])
 def test_replay_with_dense_layers_and_biased_sigmoid_routers(policy, device, layout, model, report):
     _replay_passes(policy, device, layout, model, report)
@@ -85,7 +85,7 @@ def _replay_passes(policy, device, layout, model, report, engine="hf"):
 # The same check on vLLM's routes of each MoE family (their vLLM twins: the policy is built on the twin too;
 # harness.training.replay_check.engine_model), nightly: a vLLM engine and a world each.
 @pytest.mark.nightly
-@pytest.mark.layouts(cpu=["tp1"], cuda=[])
+@pytest.mark.layouts(cpu=["tp1"], cuda=["tp1"])
 @pytest.mark.parametrize("model", [p for p in ROUTED_TWINS if p.id != "qwen3-moe"])
 def test_replay_of_vllms_routes_on_every_moe_family(policy, device, layout, model, report):
     _replay_passes(policy, device, layout, model, report, engine="vllm")  # gpt-oss: stack B's
@@ -97,7 +97,7 @@ def test_replay_of_vllms_routes_on_every_moe_family(policy, device, layout, mode
 # experts and taking the same softmax (moe_utils.topk_routing_with_score_function), the HF ground truth
 # forced to the routes weighs them so (harness.rollout.routing.forced_weights).
 @pytest.mark.nightly
-@pytest.mark.layouts(cpu=["tp1", "dp2ep2", "tp2ep2etp1-sp"], cuda=[])  # no CP: its sliding windows are refused there
+@pytest.mark.layouts(cpu=["tp1", "dp2ep2", "tp2ep2etp1-sp"], cuda=["tp1"])  # no CP: its sliding windows are refused there
 def test_replay_with_the_gpt_oss_router(policy, device, layout, report):
     _replay_passes(policy, device, layout, GPT_OSS, report)
 
