@@ -120,7 +120,12 @@ def resume_and_compare(make_policy: Callable, source: Uninterrupted, target_layo
         from harness.checkpoint.errors import CheckpointError
 
         result.load_error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
-        after = target.hf_state_dict()
+        try:
+            after = target.hf_state_dict()
+        except Exception as unreadable:  # the load took the world down (a rank died or hung): its error is the story
+            exc.add_note(f"after the failed load the policy could not be read: {type(unreadable).__name__}: "
+                         f"{' '.join(str(unreadable).split())[:300]}")
+            raise exc
         changed = [n for n in before if not torch.equal(before[n], after[n])]
         _check(result, "tensors_changed_by_failed_load", len(changed), f"a failed load changed {changed}")
         refused = isinstance(exc, CheckpointError)  # the harness's own refusal, before any rank worked

@@ -191,3 +191,31 @@ def test_gemma3_resume_at_another_layout_continues_exactly(policy, device, sourc
     assert diff.equal > 0 and post_norms.ok and post_norms.equal > 0, post_norms.summary()
     report.extend(result.rows())
     assert result.passed, result.summary()
+
+
+def test_a_load_that_takes_the_world_down_reports_the_loads_own_error(tmp_path):
+    """A load whose rank died or hung (a 2.5 B-parameter checkpoint on 1x H100, session 54) leaves no policy to
+    read back: the check raises the load's own error (its ranks' stacks), noting the read that failed after it,
+    not the follow-up "worker is not on this rank" that once hid it. No world: a stand-in policy."""
+    from types import SimpleNamespace
+
+    from harness.checkpoint.resume_check import Uninterrupted
+
+    class Gone:  # the load timed out and the world restarted: every later call fails
+        world = SimpleNamespace(device="cpu")
+        layout = "tp1"
+        reads = 0
+
+        def hf_state_dict(self):
+            self.reads += 1
+            if self.reads > 1:
+                raise RuntimeError("worker 'policy-1' is not on this rank: it was closed, or the world restarted")
+            return {"w": torch.zeros(2)}
+
+        def load(self, directory, **options):
+            raise TimeoutError("harness.checkpoint load timed out after 300.0s on ranks [0] of 1")
+
+    source = Uninterrupted("tp1", {"dtype": "fp32"}, tmp_path, {}, {}, None)
+    with pytest.raises(TimeoutError, match="timed out after 300.0s") as raised:
+        resume_and_compare(lambda layout, model, **config: Gone(), source, "tp1")
+    assert any("could not be read" in note and "not on this rank" in note for note in raised.value.__notes__)
