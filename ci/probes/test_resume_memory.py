@@ -62,7 +62,7 @@ def probe_model(request, tmp_path_factory):
 
 class Sampler:
     """Every 0.1 s: the resident bytes of the driver and of each rank; `phase(name)` starts a phase, whose
-    peak above its start is kept per process."""
+    peak above its start is kept per process (`peaks`), and its start too (`starts`: what earlier phases left)."""
 
     def __init__(self, pids: list[int]) -> None:
         import os
@@ -72,6 +72,7 @@ class Sampler:
         self.procs = {"driver": psutil.Process(os.getpid()),
                       **{f"rank{i}": psutil.Process(pid) for i, pid in enumerate(pids)}}
         self.peaks: dict[str, dict[str, int]] = {}
+        self.starts: dict[str, dict[str, int]] = {}
         self.name: str | None = None
         self.lock = threading.Lock()
         self.done = threading.Event()
@@ -86,7 +87,7 @@ class Sampler:
             self.name = name
             now = self._rss()
             self.peaks[name] = {who: 0 for who in now}
-            self.start = now
+            self.start = self.starts[name] = now
 
     def _run(self) -> None:
         while not self.done.wait(0.1):
@@ -96,14 +97,17 @@ class Sampler:
                 for who, rss in self._rss().items():
                     self.peaks[self.name][who] = max(self.peaks[self.name][who], rss - self.start[who])
 
-    def stop(self) -> dict[str, dict[str, int]]:
+    def stop(self) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
         self.done.set()
         self.thread.join()
-        return self.peaks
+        return self.peaks, self.starts
 
 
+# What the driver holds of the target's state through the load: digests (resume_and_compare since 2026-12-08)
+# or the copy it held before.
+@pytest.mark.parametrize("hold", ["digests", "copy"])
 @pytest.mark.layouts(cpu=["tp1"])
-def test_host_bytes_a_resume_adds_per_parameter(policy, device, layout, probe_model, tmp_path, report):
+def test_host_bytes_a_resume_adds_per_parameter(policy, device, layout, probe_model, hold, tmp_path, report):
     name, path, params = probe_model
     config = {**CONFIG, "lr": SHAPE_LR}
     source = policy(layout, path, **config)
@@ -119,28 +123,35 @@ def test_host_bytes_a_resume_adds_per_parameter(policy, device, layout, probe_mo
         source.close()
         sampler.phase("build_target")
         target = policy(layout, path, **config)
-        before = state_digests(target.hf_state_dict())  # as resume_and_compare holds it through the load
+        before = target.hf_state_dict()
+        if hold == "digests":
+            before = state_digests(before)
         sampler.phase("load")
         target.load(tmp_path / "ckpt")
         sampler.phase("resumed_step")
         got = target.step(train_batch(K_STEPS))
         sampler.phase("end")
     finally:
-        peaks = sampler.stop()
+        peaks, starts = sampler.stop()
     disk = sum(f.stat().st_size for f in (tmp_path / "ckpt").rglob("*") if f.is_file())
-    print(f"\n{name}: {params / 1e9:.3f} B parameters, checkpoint {disk / 2**30:.2f} GiB ({disk / params:.2f} B/param)")
+    print(f"\n{name}, the driver holding {hold}: {params / 1e9:.3f} B parameters, "
+          f"checkpoint {disk / 2**30:.2f} GiB ({disk / params:.2f} B/param)")
     for phase, who in peaks.items():
         if phase == "end":
             continue
         for proc, extra in who.items():
-            per_param = extra / params
-            print(f"  {phase:13s} {proc:7s} +{extra / 2**30:6.2f} GiB  {per_param:5.2f} B/param")
+            per_param, resident = extra / params, starts[phase][proc]
+            print(f"  {phase:13s} {proc:7s} +{extra / 2**30:6.2f} GiB  {per_param:5.2f} B/param"
+                  f"  (resident at its start {resident / 2**30:6.2f} GiB, {resident / params:5.2f} B/param)")
             report.add(f"host_bytes_per_param_{phase}_{proc}", per_param, tolerance=None, passed=True,
-                       claim="observed", layout=layout, model=name, parameters=params)
+                       claim="observed", layout=layout, model=name, parameters=params, hold=hold)
+            report.add(f"resident_bytes_per_param_at_{phase}_{proc}", resident / params, tolerance=None,
+                       passed=True, claim="observed", layout=layout, model=name, parameters=params, hold=hold)
     report.add("checkpoint_bytes_per_param", disk / params, tolerance=None, passed=True, claim="observed",
                layout=layout, model=name, parameters=params)
     # The measurement is of a resume that worked: the same layout's next step, bit for bit.
     assert got["loss"] == want["loss"] and got["grad_norm"] == want["grad_norm"], (got, want)
     state = target.hf_state_dict()
     assert all((state[n] == t).all() for n, t in next_state.items())
+    before = before if hold == "digests" else state_digests(before)
     assert before.keys() == next_state.keys() and before != state_digests(state)  # the load changed the weights
