@@ -44,6 +44,7 @@ class World(WorldBase):
     """
 
     launcher = "process"
+    DEATH_POLL_S = 1.0  # how often a call in flight checks each rank's exit status (`_poll`)
 
     def __init__(
         self,
@@ -165,7 +166,10 @@ class World(WorldBase):
         waitables = {self._conns[r]: r for r in pending}
         waitables.update({self._procs[r].sentinel: r for r in pending})
         news: dict[int, tuple[int, str, Any]] = {}
-        for ready in wait(list(waitables), timeout=timeout):
+        # A slice at a time: a rank's pipe and sentinel stay open after its death while a process it forked
+        # lives on (the dist-ckpt writer's `Manager`, forked mid-save, holds both): an OOM-killed rank was a
+        # 1200 s "hang" (CPU tier, 2026-12-08). Its exit status (waitpid) tells the death at once.
+        for ready in wait(list(waitables), timeout=min(timeout, self.DEATH_POLL_S)):
             rank = waitables[ready]
             if rank in news:  # its pipe and its sentinel both fired
                 continue
@@ -175,6 +179,11 @@ class World(WorldBase):
             else:  # its sentinel fired: the process is gone
                 self._procs[rank].join(timeout=1.0)
                 news[rank] = (rank, "died", self._procs[rank].exitcode)
+        for rank in pending - set(news):
+            if self._procs[rank].exitcode is not None:  # gone, its pipe held open by a descendant
+                reply = self._receive(rank)  # a reply it sent before dying still counts
+                news[rank] = (rank, "reply", reply) if reply is not None else \
+                    (rank, "died", self._procs[rank].exitcode)
         return list(news.values())
 
     def _receive(self, rank: int) -> tuple | None:

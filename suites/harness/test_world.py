@@ -8,6 +8,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -474,3 +475,34 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def _fork_a_lingering_child_then_die_on_rank_one(pid_file: str) -> None:
+    """Rank 1 forks a process that outlives it holding its pipe and sentinel (as the dist-ckpt writer's
+    `Manager`, forked mid-save, does), then dies."""
+    import multiprocessing
+
+    if context().rank == 1:
+        child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,), daemon=False)
+        child.start()
+        Path(pid_file).write_text(str(child.pid))
+        os._exit(3)
+    time.sleep(600)
+
+
+def test_a_rank_dead_while_its_child_lives_is_reported_dead_not_hung(world, tmp_path):
+    """An OOM-killed rank whose forked helper lived on was a 1200 s "hang" (the pipe and the sentinel stay
+    open while the child holds them): its exit status, read on every poll, reports the death, with its code,
+    and the teardown takes the child down with it (the rank's process group)."""
+    if world.launcher != "process":
+        pytest.skip("Ray reports a dead worker by its actor, not its pipe")
+    pid_file = tmp_path / "child.pid"
+    with pytest.raises(RankDied) as info:
+        world.run(_fork_a_lingering_child_then_die_on_rank_one, str(pid_file), timeout=60)
+    assert info.value.rank == 1 and info.value.exitcode == 3, info.value
+    try:  # the teardown SIGKILLed the rank's process group: the child is gone, or going (a kill is asynchronous)
+        _, alive = psutil.wait_procs([psutil.Process(int(pid_file.read_text()))], timeout=30)
+    except psutil.NoSuchProcess:
+        alive = []
+    assert not alive, f"the dead rank's child outlived the teardown: {alive}"
+    assert world.run(_rank_and_sum, 0) == [(0, 3.0), (1, 3.0)]
