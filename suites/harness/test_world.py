@@ -500,9 +500,6 @@ def test_a_rank_dead_while_its_child_lives_is_reported_dead_not_hung(world, tmp_
     with pytest.raises(RankDied) as info:
         world.run(_fork_a_lingering_child_then_die_on_rank_one, str(pid_file), timeout=60)
     assert info.value.rank == 1 and info.value.exitcode == 3, info.value
-    try:  # the teardown SIGKILLed the rank's process group: the child is gone, or going (a kill is asynchronous)
-        _, alive = psutil.wait_procs([psutil.Process(int(pid_file.read_text()))], timeout=30)
-    except psutil.NoSuchProcess:
-        alive = []
-    assert not alive, f"the dead rank's child outlived the teardown: {alive}"
+    # the teardown SIGKILLed the rank's process group: the child is gone, or going
+    assert _survivors([int(pid_file.read_text())], wait_s=30.0) == [], "the dead rank's child outlived the teardown"
     assert world.run(_rank_and_sum, 0) == [(0, 3.0), (1, 3.0)]
